@@ -1,0 +1,45 @@
+"""Run set-up assets: the prompts table and the initial policy (version 0)."""
+
+import dagster as dg
+import pandas as pd
+
+from assets.common import DATA, TRAIN, lineage, timed
+from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
+                              TrackerResource)
+from stages.evaluate import validate_policy
+from stages.ingest import build_prompt_rows
+from stages.models import load_policy
+from stages.policy_init import create_initial_policy
+from stages.tables import PROMPTS_ITERATION
+
+
+@dg.asset(group_name=DATA, kinds={"delta"})
+def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) -> dg.MaterializeResult:
+    """The run's dataset in verl's format (train and val splits); one Delta partition per run."""
+    cfg = run_config.load()
+    with timed() as t:
+        df = build_prompt_rows(cfg)
+    version = rollout_store.write("prompts", df, run_id=cfg.run_id, iteration=PROMPTS_ITERATION,
+                                  lineage=lineage(cfg, stage="prompts", policy_version=None, upstream={}, duration_s=t["s"]))
+    counts = df["split"].value_counts().to_dict()
+    return dg.MaterializeResult(metadata={"delta_version": version, "rows": len(df), "train": counts.get("train", 0),
+                                          "val": counts.get("val", 0), "data_sources": sorted(df["data_source"].unique())})
+
+
+@dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=[prompts])
+def initial_policy(run_config: RunConfigResource, rollout_store: RolloutStoreResource, model_store: ModelStoreResource,
+                   ray: RayResource, tracker: TrackerResource) -> dg.MaterializeResult:
+    """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training."""
+    cfg = run_config.load()
+    rows, prompts_version = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
+    out = model_store.for_run(cfg.run_id).policy_dir(0)
+    meta = create_initial_policy(cfg.model, rows[rows["split"] == "train"], out, seed=cfg.seed)
+    ray.ensure()
+    _, tok = load_policy(out)
+    val = validate_policy(str(out), rows[rows["split"] == "val"], tok, cfg)
+    tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), val, step=0)
+    write_lineage = lineage(cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0)
+    metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})
+    version = rollout_store.write("iteration_metrics", metrics, run_id=cfg.run_id, iteration=PROMPTS_ITERATION,
+                                  lineage=write_lineage)
+    return dg.MaterializeResult(metadata={**meta, **val, "path": str(out), "metrics_delta_version": version})

@@ -1,0 +1,65 @@
+"""Per-iteration generation assets: the prompt batch and its rollouts."""
+
+import dagster as dg
+import pandas as pd
+
+from assets.common import ROLLOUT, iterations, lineage, timed
+from assets.ingest import initial_policy, prompts
+from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
+from stages.data import sample_prompt_batch
+from stages.evaluate import prompt_batch_frame
+from stages.models import load_policy
+from stages.rollout import generate_rollouts
+from stages.tables import PROMPTS_ITERATION
+
+
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"delta"}, deps=[prompts, initial_policy])
+def prompt_batch(context: dg.AssetExecutionContext, run_config: RunConfigResource,
+                 rollout_store: RolloutStoreResource, model_store: ModelStoreResource) -> dg.MaterializeResult:
+    """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized."""
+    cfg, it = run_config.load(), int(context.partition_key)
+    rows, version = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
+    with timed() as t:
+        train = rows[rows["split"] == "train"].set_index("prompt_id")
+        picks = sample_prompt_batch(list(train.index), it, cfg.data.train_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        chosen = train.loc[[p for p, _, _ in picks]].reset_index()
+        _, tok = load_policy(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batch"))
+        batch = prompt_batch_frame(chosen, tok, cfg.data.max_prompt_length)
+        batch = batch.assign(epoch=[e for _, e, _ in picks], position=[p for _, _, p in picks])
+    v = rollout_store.write("prompt_batches", batch, run_id=cfg.run_id, iteration=it,
+                            lineage=lineage(cfg, stage="prompt_batch", policy_version=it, upstream={"prompts": version}, duration_s=t["s"]))
+    return dg.MaterializeResult(metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())})
+
+
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=[prompt_batch],
+          check_specs=[dg.AssetCheckSpec("responses_nonempty", asset="rollouts", blocking=True)])
+def rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
+             model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
+    """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs."""
+    cfg, it = run_config.load(), int(context.partition_key)
+    batch, version = rollout_store.read("prompt_batches", cfg.run_id, it)
+    model_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"rollouts of iteration {it}")
+    ray.ensure()
+    with timed() as t:
+        out = generate_rollouts(batch.assign(group_id=batch["position"], policy_version=it), model_dir=str(model_dir),
+                                rollout_cfg=cfg.rollout, max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + it)
+    v = rollout_store.write("rollouts", out, run_id=cfg.run_id, iteration=it,
+                            lineage=lineage(cfg, stage="rollouts", policy_version=it, upstream={"prompt_batches": version}, duration_s=t["s"]))
+    empty = int((out["response_length"] == 0).sum())
+    tokens = int(out["response_length"].sum())
+    return dg.MaterializeResult(
+        metadata={"delta_version": v, "rollouts": len(out), "engine": out["engine"].iloc[0], "response_tokens": tokens,
+                  "tokens_per_s": tokens / max(t["s"], 1e-9), "generate_s": t["s"],
+                  "samples": dg.MetadataValue.md(_sample_md(out))},
+        check_results=[dg.AssetCheckResult(check_name="responses_nonempty", passed=empty == 0,
+                                           metadata={"empty_responses": empty})])
+
+
+def _sample_md(df: pd.DataFrame, k: int = 4) -> str:
+    lines = ["| prompt | response | finish |", "|---|---|---|"]
+    def esc(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    for _, r in df.head(k).iterrows():
+        lines.append(f"| `{esc(r['prompt_text'][-40:])}` | `{esc(r['response_text'][:60])}` | {r['finish_reason']} |")
+    return "\n".join(lines)

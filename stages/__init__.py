@@ -1,0 +1,1 @@
+"""rlake stages: engines, Ray Data stage callables, rewards, trainers and Delta I/O."""

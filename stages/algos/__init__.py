@@ -1,0 +1,1 @@
+"""Pure RL algorithm functions: torch/numpy only, no I/O, no orchestration."""

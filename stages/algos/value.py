@@ -1,0 +1,52 @@
+"""Clipped value (critic) loss for PPO with GAE.
+
+Shape legend: B prompts, G samples per prompt, N = B*G rollouts, P prompt len,
+L response len, T = P+L, V vocab. Masks are float {0,1}, 1 = counted in the loss.
+
+Choices (verl's `compute_value_loss`): the new prediction is clipped to within cliprange_value of
+the rollout-time value, the per-token loss is the larger of the clipped and unclipped squared
+errors, and the aggregate is halved (0.5 * MSE).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from stages.algos.losses import aggregate_loss
+from stages.algos.masking import masked_mean
+
+
+def compute_value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, response_mask: Tensor,
+                       cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+                       ) -> tuple[Tensor, dict[str, float]]:
+    """PPO value loss with value clipping.
+
+    Schulman et al. 2017, https://arxiv.org/abs/1707.06347 (value clipping as in OpenAI baselines
+    ppo2 and verl): L = 0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
+
+    Args:
+        vpreds: (N, L) current critic values (requires grad).
+        returns: (N, L) targets (GAE returns).
+        old_values: (N, L) critic values at rollout time.
+        response_mask: (N, L) float {0,1}.
+        cliprange_value: c, the largest move of a prediction away from old_values.
+        loss_agg_mode: one of losses.LOSS_AGG_MODES.
+    Returns:
+        (loss, metrics) with critic/vf_loss, critic/vf_clipfrac (fraction of counted tokens where
+        the clipped error is the larger), critic/vpred_mean.
+    """
+    assert vpreds.shape == returns.shape == old_values.shape == response_mask.shape, (
+        f"{vpreds.shape=} {returns.shape=} {old_values.shape=} {response_mask.shape=}")
+    vpred_clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (vpreds - returns).square()  # (N, L)
+    loss_clipped = (vpred_clipped - returns).square()  # (N, L)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    loss = 0.5 * aggregate_loss(loss_mat, response_mask, loss_agg_mode)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": float(loss.detach()),
+            "critic/vf_clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(),
+                                                    response_mask)),
+            "critic/vpred_mean": float(masked_mean(vpreds, response_mask)),
+        }
+    return loss, metrics

@@ -1,0 +1,42 @@
+"""Turn rollout rows (token-id lists) into the padded tensors the trainer and engines use.
+
+Layout (verl's): prompts left-padded to P, responses right-padded to L, so the logits at
+positions P-1 .. P+L-2 predict the L response tokens of every row.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                 pad_id: int) -> dict[str, Tensor]:
+    """Returns input_ids (N, P+L), attention_mask (N, P+L), position_ids (N, P+L),
+    responses (N, L), response_mask (N, L) float, prompt_len P."""
+    assert len(prompts) == len(responses), f"{len(prompts)=} {len(responses)=}"
+    n = len(prompts)
+    p_len = max(len(p) for p in prompts)
+    r_len = max(1, max(len(r) for r in responses))
+    ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, p_len + r_len), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, p_len - len(p):p_len] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, p_len - len(p):p_len] = 1
+        if len(r):
+            ids[i, p_len:p_len + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            attn[i, p_len:p_len + len(r)] = 1
+    position_ids = (attn.cumsum(dim=-1) - 1).clamp(min=0)  # (N, T)
+    response_mask = attn[:, p_len:].float()  # (N, L)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids,
+            "responses": ids[:, p_len:], "response_mask": response_mask, "prompt_len": p_len}
+
+
+def response_logits(model, batch: dict[str, Tensor]) -> Tensor:
+    """Logits predicting each response token: (N, L, V)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False)
+    p_len = batch["prompt_len"]
+    l_len = batch["responses"].shape[1]
+    return out.logits[:, p_len - 1:p_len - 1 + l_len]  # (N, L, V)

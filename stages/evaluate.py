@@ -1,0 +1,35 @@
+"""Validation: greedy pass@1 and sampled mean@k of a policy on the held-out prompts."""
+from __future__ import annotations
+
+import pandas as pd
+
+from stages.metrics import validation_metrics
+from stages.reward import score_rollouts
+from stages.rollout import generate_rollouts, tokenize_prompts
+
+
+def prompt_batch_frame(prompts: pd.DataFrame, tokenizer, max_prompt_length: int) -> pd.DataFrame:
+    """prompts rows -> the columns the rollout stage needs (prompt_token_ids, prompt_text, ...)."""
+    ids, texts = tokenize_prompts(list(prompts["prompt"]), tokenizer, max_prompt_length,
+                                  prompt_ids=list(prompts["prompt_id"]))
+    return pd.DataFrame({"prompt_id": prompts["prompt_id"].to_numpy(), "data_source": prompts["data_source"].to_numpy(),
+                         "ground_truth": [rm["ground_truth"] for rm in prompts["reward_model"]],
+                         "prompt_text": texts, "prompt_token_ids": ids})
+
+
+def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *, use_ray: bool = True) -> dict[str, float]:
+    """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
+    batch = prompt_batch_frame(val_prompts.head(cfg.data.val_batch_size), tokenizer, cfg.data.max_prompt_length)
+    batch = batch.assign(group_id=batch["prompt_id"], policy_version=-1)
+    metrics: dict[str, float] = {}
+    for greedy, n, tag in ((True, 1, "mean@1"), (False, cfg.rollout.n, f"mean@{cfg.rollout.n}")):
+        out = generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg.rollout,
+                                max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + 7919,
+                                greedy=greedy, n=n, use_ray=use_ray)
+        scored = score_rollouts(out, cfg.reward, use_ray=False)
+        m = validation_metrics(scored, tag)
+        if not greedy:
+            m = {k.replace("val-core/", "val-aux/"): v for k, v in m.items()}
+        metrics |= m
+        metrics[f"val/response_length/{tag}"] = float(scored["response_length"].mean())
+    return metrics

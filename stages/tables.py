@@ -1,0 +1,65 @@
+"""Arrow schemas of rlake's Delta tables (one place, so tests and SQL users see one truth)."""
+from __future__ import annotations
+
+import pyarrow as pa
+
+_KEYS = [pa.field("run_id", pa.string(), nullable=False), pa.field("iteration", pa.int64(), nullable=False)]
+_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_TOKENS = pa.list_(pa.int32())
+
+PROMPT_FIELDS = [
+    pa.field("prompt_id", pa.int64(), nullable=False),
+    pa.field("split", pa.string()),
+    pa.field("data_source", pa.string()),
+    pa.field("prompt", _MESSAGES),
+    pa.field("ability", pa.string()),
+    pa.field("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    pa.field("extra_info", pa.string()),
+    pa.field("source_file", pa.string()),
+]
+
+ROLLOUT_FIELDS = [
+    pa.field("policy_version", pa.int64()),
+    pa.field("rollout_id", pa.int64(), nullable=False),
+    pa.field("prompt_id", pa.int64()),
+    pa.field("group_id", pa.int64()),
+    pa.field("sample_index", pa.int32()),
+    pa.field("data_source", pa.string()),
+    pa.field("ground_truth", pa.string()),
+    pa.field("prompt_text", pa.string()),
+    pa.field("prompt_token_ids", _TOKENS),
+    pa.field("response_token_ids", _TOKENS),
+    pa.field("rollout_logprobs", pa.list_(pa.float32())),
+    pa.field("response_text", pa.string()),
+    pa.field("response_length", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("engine", pa.string()),
+]
+
+REWARD_FIELDS = [
+    pa.field("reward", pa.float64()),
+    pa.field("reward_fn", pa.string()),
+    pa.field("reward_error", pa.string()),
+]
+
+SCHEMAS: dict[str, pa.Schema] = {
+    # prompts: iteration -1 holds the ingested dataset of a run
+    "prompts": pa.schema(_KEYS + PROMPT_FIELDS),
+    "prompt_batches": pa.schema(_KEYS + [
+        pa.field("prompt_id", pa.int64(), nullable=False), pa.field("epoch", pa.int64()),
+        pa.field("position", pa.int64()), pa.field("data_source", pa.string()),
+        pa.field("ground_truth", pa.string()), pa.field("prompt_text", pa.string()),
+        pa.field("prompt_token_ids", _TOKENS)]),
+    "rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS),
+    "scored_rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS + REWARD_FIELDS),
+    "advantages": pa.schema(_KEYS + [
+        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("group_id", pa.int64()),
+        pa.field("policy_version", pa.int64()),
+        pa.field("prompt_token_ids", _TOKENS), pa.field("response_token_ids", _TOKENS),
+        pa.field("reward", pa.float64()), pa.field("advantage", pa.float32()),
+        pa.field("adv_estimator", pa.string())]),
+    "iteration_metrics": pa.schema(_KEYS + [
+        pa.field("policy_version", pa.int64()), pa.field("metric", pa.string(), nullable=False),
+        pa.field("value", pa.float64())]),
+}
+PROMPTS_ITERATION = -1
