@@ -64,10 +64,16 @@ class TinyModelConfig(_Strict):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     intermediate_size: int = 256
+    tie_word_embeddings: bool = False
+    """Untied is the default: RL updates of a tied output layer also move the input embeddings of
+    every digit, which measurably destabilised GRPO on the synthetic task."""
     warmstart_steps: int = 400
     """SFT steps on a disjoint synthetic split, so RL starts from a model that knows the format."""
     warmstart_lr: float = 3e-3
     warmstart_batch_size: int = 64
+    warmstart_answer_formats: list[str] = ["#### {answer}"]
+    """Response templates of the warm start, cycled over examples. Mixing formats the reward does not
+    accept (e.g. "{answer}") leaves RL a format to discover, as in the first phase of GSM8K runs."""
 
 
 class ModelConfig(_Strict):

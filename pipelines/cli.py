@@ -5,7 +5,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,69 +25,17 @@ def _quiet_env() -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)
 
 
-def dagster_home(output_dir: str) -> Path:
-    """DAGSTER_HOME if set, else <output_dir>/dagster_home (created), so `rlake ui` shows `rlake train`'s runs."""
-    home = Path(os.environ.get("DAGSTER_HOME") or Path(output_dir).resolve() / "dagster_home")
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "dagster.yaml").touch()
-    os.environ["DAGSTER_HOME"] = str(home)
-    return home
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     _quiet_env()
-    from configs.schema import load_config
+    from pipelines.runner import run_training
 
-    overrides = list(args.override)
-    cfg = load_config(args.config, overrides)  # fails here, before any work, on a bad config
-    run_id = args.run_id or cfg.trainer.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides.append(f"trainer.run_id={run_id}")
-    cfg = load_config(args.config, overrides)
-    dagster_home(cfg.trainer.output_dir)
-    import dagster as dg
-
-    from pipelines.definitions import build_definitions
-    from pipelines.jobs import ITERATION_JOB, SETUP_JOB
-
-    defs = build_definitions(args.config, overrides)
-    instance = dg.DagsterInstance.get()
-    print(f"rlake run {run_id}  config {args.config}  hash {cfg.config_hash()}  output {Path(cfg.trainer.output_dir).resolve()}")
-    t0 = time.perf_counter()
-    result = defs.get_job_def(SETUP_JOB).execute_in_process(instance=instance, tags={"rlake/run_id": run_id})
-    print(f"setup done in {time.perf_counter() - t0:.1f}s: {_val_summary(result, 'initial_policy')}")
-    steps = args.steps if args.steps is not None else cfg.trainer.total_training_steps
-    for it in range(steps):
-        t1 = time.perf_counter()
-        instance.add_dynamic_partitions("iteration", [str(it)])
-        res = defs.get_job_def(ITERATION_JOB).execute_in_process(partition_key=str(it), instance=instance,
-                                                                 tags={"rlake/run_id": run_id})
-        meta = _metadata(res, "iteration_metrics")
-        line = "  ".join(f"{k}={_fmt(meta[k])}" for k in sorted(meta) if k != "delta_version")
-        print(f"iteration {it}: {time.perf_counter() - t1:.1f}s  {line}", flush=True)
-    print(f"done: {steps} iterations in {time.perf_counter() - t0:.1f}s. Tables: {Path(cfg.trainer.output_dir).resolve() / 'tables'}; "
-          f"MLflow: {defs.resources['tracker'].tracking_uri} (experiment {cfg.trainer.project_name}, run {run_id})")
+    run_training(args.config, list(args.override), run_id=args.run_id, steps=args.steps)
     return 0
-
-
-def _metadata(result, asset: str) -> dict:
-    for event in result.get_asset_materialization_events():
-        mat = event.step_materialization_data.materialization
-        if mat.asset_key.to_user_string() == asset:
-            return {k: v.value for k, v in mat.metadata.items()}
-    return {}
-
-
-def _val_summary(result, asset: str) -> str:
-    meta = _metadata(result, asset)
-    return "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(meta.items()) if k.startswith("val"))
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from configs.schema import load_config
+    from pipelines.runner import dagster_home
 
     cfg = load_config(args.config)
     env = {**os.environ, "RLAKE_CONFIG": str(Path(args.config).resolve()), "DAGSTER_HOME": str(dagster_home(cfg.trainer.output_dir))}

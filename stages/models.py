@@ -52,7 +52,8 @@ def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schem
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=256, tie_word_embeddings=True,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=256,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=0, eos_token_id=1, bos_token_id=None,
     )
     return Qwen2ForCausalLM(config)

@@ -21,8 +21,9 @@ def create_initial_policy(model_cfg, train_prompts: pd.DataFrame, out_dir: str |
     if model_cfg.path == "tiny":
         tok = build_char_tokenizer()
         model = build_tiny_model(model_cfg.tiny, len(tok), seed=seed)
-        examples = [(list(p), f"#### {rm['ground_truth']}") for p, rm in
-                    zip(train_prompts["prompt"], train_prompts["reward_model"])]
+        formats = model_cfg.tiny.warmstart_answer_formats
+        examples = [(list(p), formats[i % len(formats)].format(answer=rm["ground_truth"])) for i, (p, rm) in
+                    enumerate(zip(train_prompts["prompt"], train_prompts["reward_model"]))]
         losses = warmstart_sft(model, tok, examples, model_cfg.tiny, seed=seed)
         if losses:
             meta |= {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1]}

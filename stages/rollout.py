@@ -66,6 +66,15 @@ class RolloutStage:
         return out
 
 
+def actor_cpus(workers: int, want: float = 1.0) -> float:
+    """CPUs per Ray Data actor so that `workers` actors leave half a CPU for Ray Data's own tasks
+    (all CPUs held by actors deadlocks the read/repartition tasks feeding them)."""
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 1.0))
+    return max(0.1, min(want, (total - 0.5) / workers))
+
+
 def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg, max_tokens: int, seed: int,
                       greedy: bool = False, n: int | None = None, use_ray: bool = True) -> pd.DataFrame:
     """Run the rollout stage over prompt_batch (prompt_id, prompt_token_ids, ...), sorted output.
@@ -81,8 +90,9 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
         workers = max(1, min(rollout_cfg.num_workers, len(prompt_batch)))
         ds = ray.data.from_pandas(prompt_batch).repartition(workers)
         out = ds.map_batches(RolloutStage, fn_constructor_kwargs={**kwargs, "num_threads": 2 if workers == 1 else 1},
-                             batch_format="pandas", batch_size=None, concurrency=workers,
-                             num_cpus=1).to_pandas()
+                             batch_format="pandas", batch_size=None,
+                             compute=ray.data.ActorPoolStrategy(size=workers),
+                             num_cpus=actor_cpus(workers)).to_pandas()
     else:
         out = RolloutStage(**kwargs)(prompt_batch)
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)

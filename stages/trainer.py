@@ -113,7 +113,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
                     (loss / n_micro).backward()
                 for key, value in m.items():
                     add(key, value)
-                add("actor/entropy", float(entropy))
+                add("actor/entropy", float(entropy.detach()))
             clip = actor_cfg.optim.grad_clip
             params = [p for p in model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))

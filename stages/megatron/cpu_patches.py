@@ -37,9 +37,9 @@ def patch_rng_tracker() -> None:
         def add(self, name: str, seed: int) -> None:
             self._is_initialized = True
             if seed in self.seeds_:
-                raise Exception(f"seed {seed} already exists")
+                raise RuntimeError(f"seed {seed} already exists")
             if name in self.states_:
-                raise Exception(f"rng state {name} already exists")
+                raise RuntimeError(f"rng state {name} already exists")
             self.seeds_.add(seed)
             orig = torch.get_rng_state()
             torch.manual_seed(seed)
@@ -49,7 +49,7 @@ def patch_rng_tracker() -> None:
         @contextlib.contextmanager
         def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
             if name not in self.states_:
-                raise Exception(f"rng state {name} is not added")
+                raise RuntimeError(f"rng state {name} is not added")
             orig = torch.get_rng_state()
             torch.set_rng_state(self.states_[name])
             try:

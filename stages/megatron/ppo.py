@@ -25,7 +25,12 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from stages.algos.kl import compute_kl_penalty
-from stages.algos.losses import compute_policy_loss, entropy_from_logits, gather_logprobs, masked_mean
+from stages.algos.losses import (
+    compute_policy_loss,
+    entropy_from_logits,
+    gather_logprobs,
+    masked_mean,
+)
 from stages.batching import pad_rollouts
 from stages.megatron.convert import tp_partition_dim
 
@@ -124,10 +129,10 @@ def _ppo_loss_fn(actor_cfg, add):
             kl = masked_mean(compute_kl_penalty(logprobs, mb["ref_logprobs"], actor_cfg.kl_loss_type),
                              mb["response_mask"])
             loss = loss + actor_cfg.kl_loss_coef * kl
-            add("actor/kl_loss", float(kl))
+            add("actor/kl_loss", float(kl.detach()))
         for key, value in m.items():
             add(key, value)
-        add("actor/entropy", float(entropy))
+        add("actor/entropy", float(entropy.detach()))
         return loss, m
 
     return loss_fn

@@ -86,8 +86,6 @@ def import_optimizer_state(opt: torch.optim.Optimizer, model, hf_state: dict, ar
         opt.load_state_dict({"state": {}, "param_groups": groups})
         return
     by_name = {hf_names[i]: s for i, s in hf_state["state"].items()}
-    if arch.tied:
-        by_name["lm_head.weight"] = by_name["model.embed_tokens.weight"]
     local = {m: hf_to_megatron({n: s[m] for n, s in by_name.items()}, arch, tp=tp, pp=pp,
                                tp_rank=tp_rank, pp_rank=pp_rank) for m in MOMENTS}
     step = next(iter(by_name.values()))["step"]
@@ -110,7 +108,6 @@ def _write_checkpoint(job: dict, hf_model, tok, opt_state: dict, sched_state: di
 
 
 def _load(job: dict, actor_cfg, tp: int, pp: int):
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from stages.models import load_policy
@@ -132,7 +129,6 @@ def _load(job: dict, actor_cfg, tp: int, pp: int):
         state = torch.load(opt_path, weights_only=False)
         import_optimizer_state(opt, model, state["optimizer"], arch, hf_names, tp=tp, pp=pp)
         sched.load_state_dict(state["scheduler"])
-    assert ps.model_parallel_is_initialized()
     return hf_model, tok, arch, model, opt, sched, hf_names
 
 

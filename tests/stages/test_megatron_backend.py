@@ -1,12 +1,18 @@
 """Megatron backend (actor.strategy='megatron') against the torch backend, on CPU over gloo.
 
-One PPO iteration (2 optimizer steps x 2 micro-batches, AdamW lr 1e-3, grad clip 1.0) on a tiny
-tied Qwen2 (4 layers, 4 heads, 2 KV heads) from the same advantages Delta table, through each
-backend's real `train_loop_per_worker(job)`: torch at world 1 in-process, Megatron in spawned
-gloo processes at TP=1, TP=2, PP=2 and TP=2 x DP=2 (vs torch DDP-free world 1 there is no
-DP equivalent, so TP2xDP2 is compared with torch at world 2... see test). Tolerances: updated
-weights atol 1e-5 (they move by ~1e-3 per step, so a wrong shard or layout fails by ~1e-3),
-metrics rtol 1e-4 / atol 1e-6; the optimizer moments atol 1e-6.
+One PPO iteration (2 optimizer steps x 2 micro-batches of 2 rollouts, AdamW lr 1e-3, grad clip
+1.0, entropy bonus) on a tiny tied Qwen2 (4 layers, 4 heads, 2 KV heads) from the same advantages
+Delta table, through each backend's real `train_loop_per_worker(job)`: torch in-process at world 1,
+Megatron in spawned gloo processes at TP=1, TP=2, PP=2; and TP=2 x DP=2 against torch DDP at
+world 2. Compared: the HF checkpoint, update_metrics.json, the optimizer state in HF order.
+
+Tolerances (measured max differences in brackets): updated weights atol 3e-5 per element
+[9.9e-6] and relative L2 of the weight update 1e-3 [2.3e-5]. The elementwise bound is loose
+because AdamW turns a parameter with a near-zero gradient (e.g. the k_proj bias, whose exact
+gradient is 0 by softmax shift invariance) into a sign-like step of up to lr, so float rounding
+of such gradients shows up at ~1e-5; only ~12 of 129k weights differ by more than 1e-6.
+Metrics (pg_loss, clipfrac, ppo_kl, entropy, grad_norm, lr) rel 1e-4 / abs 1e-6; AdamW moments
+atol 1e-6 / rtol 1e-4.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ pytest.importorskip("megatron.core")
 
 pytestmark = pytest.mark.megatron
 N_PROMPTS, N_PER_PROMPT = 2, 4
-W_ATOL = 1e-5
+W_ATOL = 3e-5
+UPDATE_RTOL = 1e-3
 
 
 def _free_port() -> int:
@@ -111,12 +118,16 @@ def load_out(out_dir: str) -> tuple[dict, dict, dict]:
     return weights, opt, metrics
 
 
-def assert_same_outputs(a: str, b: str, *, w_atol: float = W_ATOL) -> None:
+def assert_same_outputs(a: str, b: str, w0: dict[str, torch.Tensor]) -> None:
     wa, oa, ma = load_out(a)
     wb, ob, mb = load_out(b)
-    assert sorted(wa) == sorted(wb)
+    assert sorted(wa) == sorted(wb) == sorted(w0)
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=w_atol, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(wa[k], wb[k], atol=W_ATOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+        assert not torch.equal(wb[k], w0[k]), f"{k} did not change in the update"
+    diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).norm()
+    step = torch.cat([(wb[k] - w0[k]).flatten() for k in wa]).norm()
+    assert diff / step < UPDATE_RTOL, f"relative update difference {float(diff / step):.2e}"
     keys = {k for k in ma if not k.startswith("timing_s/")}
     assert keys == {k for k in mb if not k.startswith("timing_s/")}
     for k in sorted(keys):
@@ -130,6 +141,13 @@ def assert_same_outputs(a: str, b: str, *, w_atol: float = W_ATOL) -> None:
 
 
 @pytest.fixture(scope="module")
+def initial_weights(policy_and_table) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(policy_and_table["root"] / "policy" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
 def torch_out(policy_and_table) -> str:
     from stages.update import train_loop_per_worker
 
@@ -138,11 +156,85 @@ def torch_out(policy_and_table) -> str:
     return job["out_dir"]
 
 
+@pytest.fixture(scope="module")
+def megatron_outs(policy_and_table) -> dict[tuple[int, int], str]:
+    outs = {}
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        job = make_job(policy_and_table, f"megatron_tp{tp}_pp{pp}", tp=tp, pp=pp)
+        spawn_megatron(job, tp * pp)
+        outs[(tp, pp)] = job["out_dir"]
+    return outs
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_megatron_matches_torch_backend(policy_and_table, torch_out, tp: int, pp: int) -> None:
-    job = make_job(policy_and_table, f"megatron_tp{tp}_pp{pp}", tp=tp, pp=pp)
-    spawn_megatron(job, tp * pp)
-    assert_same_outputs(job["out_dir"], torch_out)
-    w0, _, _ = load_out(str(policy_and_table["root"] / "policy")) if False else (None, None, None)
-    _, _, metrics = load_out(job["out_dir"])
+def test_megatron_matches_torch_backend(megatron_outs, torch_out, initial_weights, tp: int, pp: int) -> None:
+    assert_same_outputs(megatron_outs[(tp, pp)], torch_out, initial_weights)
+    _, _, metrics = load_out(megatron_outs[(tp, pp)])
     assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT
+    assert {"timing_s/update_load", "timing_s/update_compute"} <= set(metrics)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tp_pp_match_single_rank(megatron_outs, initial_weights, tp: int, pp: int) -> None:
+    assert_same_outputs(megatron_outs[(tp, pp)], megatron_outs[(1, 1)], initial_weights)
+
+
+@pytest.fixture(scope="module")
+def torch_ddp2_out(policy_and_table) -> str:
+    import torch.multiprocessing as mp
+
+    ref = make_job(policy_and_table, "torch_ddp2", strategy="torch", num_workers=2)
+    mp.spawn(_torch_entry, args=(2, _free_port(), ref), nprocs=2, join=True)
+    return ref["out_dir"]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_dp2_matches_torch_ddp(policy_and_table, torch_ddp2_out, initial_weights, tp: int) -> None:
+    """DP = 2 replicas (of TP = tp ranks each): grads averaged over the DP group like DDP,
+    rows split by DP rank like the torch workers."""
+    job = make_job(policy_and_table, f"megatron_tp{tp}_dp2", tp=tp, num_workers=2 * tp)
+    spawn_megatron(job, 2 * tp)
+    assert_same_outputs(job["out_dir"], torch_ddp2_out, initial_weights)
+
+
+def test_resume_from_megatron_optimizer_state(policy_and_table, megatron_outs, torch_out) -> None:
+    """A second iteration from a Megatron checkpoint (its optimizer.pt in HF order) matches the
+    torch backend resuming from its own checkpoint: the state round-trips through the shards."""
+    from stages.update import train_loop_per_worker
+
+    ref = make_job(policy_and_table, "torch_it1", strategy="torch", policy_dir=Path(torch_out))
+    train_loop_per_worker(ref)
+    job = make_job(policy_and_table, "megatron_it1", tp=2, policy_dir=Path(megatron_outs[(2, 1)]))
+    spawn_megatron(job, 2)
+    from safetensors.torch import load_file
+
+    w1 = load_file(str(Path(torch_out) / "model.safetensors"))
+    assert_same_outputs(job["out_dir"], ref["out_dir"], w1)
+    assert torch.load(Path(job["out_dir"]) / "optimizer.pt", weights_only=False)["scheduler"]["last_epoch"] == 4
+
+
+def test_num_workers_not_a_grid_is_rejected() -> None:
+    from configs.schema import RunConfig
+
+    with pytest.raises(ValueError, match="multiple of tensor_model_parallel_size"):
+        RunConfig.model_validate({"actor": {"strategy": "megatron", "num_workers": 2, "megatron": {
+            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}})
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_train_dispatch_tp2(policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
+    """stages.update.run_policy_update dispatches strategy='megatron' to this backend in Ray
+    Train workers (TorchTrainer, gloo) and returns rank 0's metrics."""
+    import ray
+
+    from stages.update import run_policy_update
+
+    job = make_job(policy_and_table, "megatron_ray_tp2", tp=2, num_workers=2)
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        metrics = run_policy_update(job, num_workers=2, storage_path=str(tmp_path / "ray"), name="tp2")
+    finally:
+        ray.shutdown()
+    assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT
+    assert_same_outputs(job["out_dir"], megatron_outs[(2, 1)], initial_weights)

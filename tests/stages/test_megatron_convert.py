@@ -9,14 +9,14 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from configs.schema import TinyModelConfig  # noqa: E402
-from stages.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim  # noqa: E402
-from stages.megatron.model import check_parallel_sizes, hf_arch  # noqa: E402
-from stages.models import build_tiny_model  # noqa: E402
+from configs.schema import TinyModelConfig
+from stages.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
+from stages.megatron.model import check_parallel_sizes, hf_arch
+from stages.models import build_tiny_model
 
 pytestmark = pytest.mark.megatron
 TINY = TinyModelConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=96)
+                       intermediate_size=96, tie_word_embeddings=True)
 VOCAB = 83  # odd on purpose: padded to 84 for TP=2
 
 

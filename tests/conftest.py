@@ -1,0 +1,46 @@
+"""Shared fixtures: offline HF, one local Ray cluster per session, a tiny checkpoint."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Qwen2 + char tokenizer saved in HF format."""
+    import transformers
+
+    from configs.schema import TinyModelConfig
+    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
+
+    transformers.utils.logging.disable_progress_bar()
+    out = tmp_path_factory.mktemp("tiny") / "policy_v0"
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=0)
+    save_policy(model, tok, out)
+    return out
