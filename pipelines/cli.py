@@ -44,6 +44,42 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
 
+def _tables_root(args: argparse.Namespace) -> Path:
+    if args.tables:
+        return Path(args.tables)
+    from configs.schema import load_config
+
+    return Path(load_config(args.config).trainer.output_dir).resolve() / "tables"
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from stages.sql import query
+
+    versions = {}
+    for item in args.version:
+        name, _, v = item.partition("=")
+        if not v.isdigit():
+            raise SystemExit(f"--version expects TABLE=N, got '{item}'")
+        versions[name] = int(v)
+    with pd.option_context("display.max_rows", args.limit, "display.max_columns", 50, "display.width", 200,
+                           "display.max_colwidth", 60):
+        print(query(_tables_root(args), args.query, versions).head(args.limit).to_string(index=False))
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    import json
+
+    from stages.store import commit_lineage
+
+    uri = _tables_root(args) / args.table
+    for entry in commit_lineage(str(uri), run_id=args.run_id, iteration=args.iteration):
+        print(json.dumps(entry, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -57,12 +93,34 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
     u.add_argument("--port", type=int, default=3000)
     u.set_defaults(fn=cmd_ui)
+    q = sub.add_parser("sql", help="SQL (DuckDB) over every Delta table: prompts, rollouts, scored_rollouts, ...")
+    q.add_argument("query")
+    q.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates output_dir/tables")
+    q.add_argument("--tables", default=None, help="tables directory (overrides --config)")
+    q.add_argument("--version", action="append", default=[], help="time travel: TABLE=N (repeatable)")
+    q.add_argument("--limit", type=int, default=50)
+    q.set_defaults(fn=cmd_sql)
+    li = sub.add_parser("lineage", help="commit lineage of a table (run, iteration, policy, config, upstream versions)")
+    li.add_argument("table")
+    li.add_argument("--iteration", type=int, default=None)
+    li.add_argument("--run-id", default=None)
+    li.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    li.add_argument("--tables", default=None)
+    li.set_defaults(fn=cmd_lineage)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        if os.environ.get("RLAKE_DEBUG"):
+            raise
+        print(f"rlake {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

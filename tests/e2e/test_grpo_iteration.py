@@ -79,3 +79,14 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     assert all(torch.isfinite(torch.tensor(m.value)) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss"))
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert len(summary["iterations"]) == 2
+
+
+def test_sql_over_the_run_tables(trained) -> None:
+    from stages.sql import query
+
+    out, _ = trained
+    df = query(out / "tables", "SELECT iteration, count(*) AS n, avg(reward) AS r FROM scored_rollouts "
+                               "WHERE run_id = 'e2e-run' GROUP BY iteration ORDER BY iteration")
+    assert df["iteration"].tolist() == [0, 1] and df["n"].tolist() == [32, 32]
+    v0 = query(out / "tables", "SELECT count(*) AS n FROM rollouts", versions={"rollouts": 0})
+    assert v0["n"].iloc[0] == 32  # time travel: version 0 holds iteration 0 only
