@@ -11,7 +11,7 @@ import math
 import pandas as pd
 
 from stages.rewards import reward_fn_for
-from stages.rollout import actor_cpus
+from stages.rollout import actor_cpus, split_frame
 
 
 class RewardStage:
@@ -52,7 +52,7 @@ def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True) 
     import ray.data
 
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))
-    ds = ray.data.from_pandas(rollouts).repartition(parts)
+    ds = ray.data.from_pandas(split_frame(rollouts, parts))
     out = ds.map_batches(RewardStage, fn_constructor_kwargs=kwargs, batch_format="pandas", batch_size=None,
                          compute=ray.data.ActorPoolStrategy(size=parts), num_cpus=actor_cpus(parts, 0.5)).to_pandas()
     return out.sort_values("rollout_id").reset_index(drop=True)
