@@ -39,7 +39,7 @@ def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str)
         step = "seed"
         model_parallel_cuda_manual_seed(0)
         step = "build"
-        arch = hf_arch(build_tiny_model(TinyModelConfig(), 84).config)
+        arch = hf_arch(build_tiny_model(TinyModelConfig(tie_word_embeddings=True), 84).config)
         model = build_gpt_model(arch, 1, world)
         step = "schedule"
         attn = torch.ones(2, 6, dtype=torch.long)
