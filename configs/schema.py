@@ -123,6 +123,11 @@ class MegatronConfig(_Strict):
     """Rollouts per pipeline micro-batch; None uses actor.ppo_micro_batch_size."""
 
 
+class PolicyLossConfig(_Strict):
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """vanilla: token-level PPO clip (+ clip-higher, dual clip); gspo: sequence-level ratio (GSPO)."""
+
+
 class ActorConfig(_Strict):
     strategy: Literal["torch", "megatron"] = "torch"
     """Optimization backend: 'torch' (DDP over gloo/NCCL) or 'megatron' (Megatron-Core TP/PP/DP)."""
@@ -144,6 +149,7 @@ class ActorConfig(_Strict):
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     entropy_coeff: float = 0.0
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
@@ -152,10 +158,17 @@ class ActorConfig(_Strict):
     optim: OptimConfig = OptimConfig()
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
+
+
 class AlgorithmConfig(_Strict):
-    adv_estimator: Literal["grpo"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    """verl's estimator names (stages/algos/advantages.py); gae and remax need a critic / greedy
+    baseline stage that is not wired yet."""
     norm_adv_by_std_in_grpo: bool = True
     """False gives Dr.GRPO's unscaled advantage."""
+    gamma: float = 1.0
+    """Discount of token-level returns (reinforce_plus_plus)."""
 
 
 class RewardConfig(_Strict):
@@ -209,10 +222,12 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
-        if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
+        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+            name = "GRPO" if self.algorithm.adv_estimator == "grpo" else self.algorithm.adv_estimator
             raise ValueError(
-                f"rollout.n ({self.rollout.n}) must be >= 2 for GRPO, because the advantage is "
-                "computed within a group of samples of one prompt; set rollout.n >= 2."
+                f"rollout.n ({self.rollout.n}) must be >= 2 for {name}, because the advantage is "
+                "computed within a group of samples of one prompt; set rollout.n >= 2 or "
+                "algorithm.adv_estimator='reinforce_plus_plus'."
             )
         bs, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         if mini <= 0 or bs % mini != 0:

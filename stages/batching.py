@@ -40,3 +40,14 @@ def response_logits(model, batch: dict[str, Tensor]) -> Tensor:
     p_len = batch["prompt_len"]
     l_len = batch["responses"].shape[1]
     return out.logits[:, p_len - 1:p_len - 1 + l_len]  # (N, L, V)
+
+
+def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:
+    """(N, L) advantages: rows["token_advantages"] (ragged lists) when present, else the (N,)
+    rows["advantages"] copied onto every response token."""
+    if rows.get("token_advantages") is None:
+        return rows["advantages"].float()[:, None] * response_mask  # (N, L)
+    out = torch.zeros_like(response_mask)
+    for i, values in enumerate(rows["token_advantages"]):
+        out[i, :len(values)] = torch.as_tensor(list(values), dtype=torch.float32)
+    return out * response_mask

@@ -57,7 +57,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         pa.field("policy_version", pa.int64()),
         pa.field("prompt_token_ids", _TOKENS), pa.field("response_token_ids", _TOKENS),
         pa.field("reward", pa.float64()), pa.field("advantage", pa.float32()),
-        pa.field("adv_estimator", pa.string())]),
+        pa.field("token_advantages", pa.list_(pa.float32())), pa.field("adv_estimator", pa.string())]),
     "iteration_metrics": pa.schema(_KEYS + [
         pa.field("policy_version", pa.int64()), pa.field("metric", pa.string(), nullable=False),
         pa.field("value", pa.float64())]),

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stages.algos.kl import compute_kl_penalty
-from stages.algos.losses import compute_policy_loss, entropy_from_logits, gather_logprobs, masked_mean
-from stages.batching import pad_rollouts, response_logits
+from stages.algos.losses import entropy_from_logits, gather_logprobs, get_policy_loss_fn, masked_mean
+from stages.batching import pad_rollouts, response_logits, token_advantages
 
 
 def _slice(batch: dict, idx: Tensor) -> dict:
@@ -63,7 +63,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
     train_model = ddp_model or model
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
     n = batch["input_ids"].shape[0]
-    batch["advantages"] = rows["advantages"].float()[:, None] * batch["response_mask"]  # (N, L)
+    batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
     mb_size = actor_cfg.ppo_micro_batch_size
     model.eval()
     batch["old_logprobs"] = compute_logprobs(model, batch, mb_size)
@@ -79,6 +79,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
     assert n % per_worker_mini == 0, f"{n=} rollouts not divisible into mini-batches of {per_worker_mini}"
     low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
+    policy_loss = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
     gen = torch.Generator().manual_seed(seed)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -99,7 +100,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
                 with ctx:
                     logits = response_logits(train_model, mb)  # (n_mb, L, V)
                     logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
-                    pg_loss, m = compute_policy_loss(
+                    pg_loss, m = policy_loss(
                         mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],
                         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
                         loss_agg_mode=actor_cfg.loss_agg_mode)

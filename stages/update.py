@@ -34,6 +34,8 @@ def _worker_rows(job: dict, rank: int, world: int) -> dict:
     rows = {"prompt_token_ids": [list(x) for x in part["prompt_token_ids"]],
             "response_token_ids": [list(x) for x in part["response_token_ids"]],
             "advantages": torch.tensor(part["advantage"].to_numpy(), dtype=torch.float32)}
+    if "token_advantages" in part.columns:
+        rows["token_advantages"] = [list(x) for x in part["token_advantages"]]
     if "ref_logprobs" in part.columns:
         rows["ref_logprobs"] = [list(x) for x in part["ref_logprobs"]]
     return rows

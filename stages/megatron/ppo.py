@@ -26,12 +26,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from stages.algos.kl import compute_kl_penalty
 from stages.algos.losses import (
-    compute_policy_loss,
     entropy_from_logits,
+    get_policy_loss_fn,
     gather_logprobs,
     masked_mean,
 )
-from stages.batching import pad_rollouts
+from stages.batching import pad_rollouts, token_advantages
 from stages.megatron.convert import tp_partition_dim
 
 
@@ -117,9 +117,11 @@ def _ppo_loss_fn(actor_cfg, add):
     low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
 
+    policy_loss = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
+
     def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict]:
         logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
-        pg_loss, m = compute_policy_loss(
+        pg_loss, m = policy_loss(
             mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode)
@@ -141,7 +143,7 @@ def _ppo_loss_fn(actor_cfg, add):
 def _prepare_batch(rows: dict, actor_cfg, pad_id: int) -> dict:
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
     batch["mask4d"] = megatron_attention_mask(batch["attention_mask"])  # (N, 1, T, T)
-    batch["advantages"] = rows["advantages"].float()[:, None] * batch["response_mask"]  # (N, L)
+    batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
     if actor_cfg.use_kl_loss:
         if "ref_logprobs" not in rows:
             raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
