@@ -236,26 +236,30 @@ class RunConfig(_Strict):
                 "because each iteration's batch is split into equal mini-batches; "
                 f"pick a divisor of {bs}."
             )
-        rollouts_per_worker = mini * self.rollout.n // self.actor.num_workers
-        if (mini * self.rollout.n) % self.actor.num_workers != 0:
-            raise ValueError(
-                f"a mini-batch of {mini * self.rollout.n} rollouts (ppo_mini_batch_size x rollout.n) "
-                f"cannot be split evenly over actor.num_workers ({self.actor.num_workers}); "
-                "change either so the product divides."
-            )
-        if rollouts_per_worker % self.actor.ppo_micro_batch_size != 0:
-            raise ValueError(
-                f"actor.ppo_micro_batch_size ({self.actor.ppo_micro_batch_size}) must divide the "
-                f"{rollouts_per_worker} rollouts each worker gets per mini-batch; pick a divisor."
-            )
         tp = self.actor.megatron.tensor_model_parallel_size
         pp = self.actor.megatron.pipeline_model_parallel_size
-        if self.actor.strategy == "megatron" and (tp < 1 or pp < 1 or self.actor.num_workers % (tp * pp)):
+        megatron = self.actor.strategy == "megatron"
+        if megatron and (tp < 1 or pp < 1 or self.actor.num_workers % (tp * pp)):
             raise ValueError(
                 f"actor.num_workers ({self.actor.num_workers}) must be a multiple of "
                 f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp}), because the "
                 "workers form a TP x PP x DP grid with whole model replicas; set actor.num_workers to a "
                 "multiple of their product or change actor.megatron."
+            )
+        dp = self.actor.num_workers // (tp * pp) if megatron else self.actor.num_workers
+        rollouts = mini * self.rollout.n
+        if rollouts % dp != 0:
+            raise ValueError(
+                f"a mini-batch of {rollouts} rollouts (ppo_mini_batch_size x rollout.n) cannot be split "
+                f"evenly over {dp} data-parallel workers (actor.num_workers"
+                f"{' / (TP x PP)' if megatron else ''}); change either so the product divides."
+            )
+        micro = (self.actor.megatron.micro_batch_size or self.actor.ppo_micro_batch_size) if megatron \
+            else self.actor.ppo_micro_batch_size
+        if (rollouts // dp) % micro != 0:
+            raise ValueError(
+                f"the micro-batch size ({micro}) must divide the {rollouts // dp} rollouts each "
+                "data-parallel worker gets per mini-batch (ppo_mini_batch_size x rollout.n / DP); pick a divisor."
             )
         return self
 

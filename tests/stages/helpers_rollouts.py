@@ -15,7 +15,8 @@ def make_rows(n: int, seed: int = 0, vocab: int = 80) -> pd.DataFrame:
         rows.append({"rollout_id": i, "group_id": i // 4, "policy_version": 0,
                      "prompt_token_ids": torch.randint(5, vocab, (p_len,), generator=g).tolist(),
                      "response_token_ids": torch.randint(5, vocab, (r_len,), generator=g).tolist(),
-                     "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0, "adv_estimator": "grpo"})
+                     "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0, "adv_estimator": "grpo",
+                     "token_advantages": [1.0 if i % 2 else -1.0] * r_len})
     return pd.DataFrame(rows)
 
 

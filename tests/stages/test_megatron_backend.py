@@ -89,10 +89,11 @@ def policy_and_table(tmp_path_factory) -> dict:
     for i in range(n):
         p_len = int(torch.randint(3, 8, (1,), generator=gen))
         r_len = int(torch.randint(1, 7, (1,), generator=gen))
-        rows.append({"rollout_id": i, "group_id": i // N_PER_PROMPT, "policy_version": 0,
+        rows.append(row := {"rollout_id": i, "group_id": i // N_PER_PROMPT, "policy_version": 0,
                      "prompt_token_ids": torch.randint(5, len(tok), (p_len,), generator=gen).tolist(),
                      "response_token_ids": torch.randint(1, len(tok), (r_len,), generator=gen).tolist(),
                      "reward": 0.0, "advantage": float(torch.randn((), generator=gen)), "adv_estimator": "grpo"})
+        row["token_advantages"] = [row["advantage"]] * r_len  # outcome advantage on every token
     uri = str(root / "advantages")
     version = write_partition(uri, "advantages", pd.DataFrame(rows), run_id="r", iteration=0, lineage={})
     return {"root": root, "advantages_uri": uri, "advantages_version": version}
