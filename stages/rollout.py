@@ -42,8 +42,11 @@ class RolloutStage:
                  num_threads: int | None = None) -> None:
         t0 = time.perf_counter()
         self.engine_name = resolve_engine_name(engine)
+        # vLLM's CPU attention sizes its thread pool from the OpenMP runtime Ray started with;
+        # changing torch's thread count afterwards makes it abort, so only HF gets num_threads
+        threads = num_threads if self.engine_name == "hf" else None
         self.engine = build_engine(self.engine_name, model_dir, micro_batch_size=micro_batch_size,
-                                   num_threads=num_threads)
+                                   num_threads=threads)
         self.sampling = SamplingSpec(**{**sampling, "stop": tuple(sampling.get("stop", ()))})
         self.build_s = time.perf_counter() - t0
 
