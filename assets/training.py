@@ -48,6 +48,7 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
     new_dir = model_store.for_run(cfg.run_id).require(it + 1, needed_by="iteration_metrics")
     m = rollout_metrics(scored, adv, cfg.data.max_response_length)
     m |= json.loads((new_dir / METRICS_FILE).read_text()) | stage_timings(rollout_store, cfg.run_id, it)
+    m["timing_s/step"] = sum(m.get(f"timing_s/{k}", 0.0) for k in STEP_STAGES)
     last = it + 1 == cfg.trainer.total_training_steps
     if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
         ray.ensure()
@@ -57,9 +58,12 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
     v = rollout_store.write("iteration_metrics", rows, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="iteration_metrics", policy_version=it + 1, upstream={"scored_rollouts": s_v, "advantages": a_v}, duration_s=0))
-    keys = ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/iteration")
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/step")
     return dg.MaterializeResult(metadata={"delta_version": v, **{k: m[k] for k in keys if k in m},
                                           **{k: v for k, v in m.items() if k.startswith("val-core/")}})
+
+
+STEP_STAGES = ("prompt_batch", "rollouts", "scored_rollouts", "advantages", "update")
 
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:

@@ -102,8 +102,7 @@ def commit_lineage(uri: str, *, run_id: str | None = None, iteration: int | None
             continue
         if iteration is not None and meta.get("iteration") != str(iteration):
             continue
-        for key in ("upstream",):
-            if key in meta:
-                meta[key] = json.loads(meta[key])
+        if "upstream" in meta:
+            meta["upstream"] = json.loads(meta["upstream"])
         out.append({"version": entry.get("version"), "timestamp": entry.get("timestamp"), **meta})
     return out

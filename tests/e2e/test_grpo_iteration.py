@@ -72,7 +72,7 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`rlake.run_id` = 'e2e-run'")
     assert run.data.params["rollout.n"] == "4" and run.data.params["algorithm.adv_estimator"] == "grpo"
     for key in ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-                "response_length/mean", "timing_s/rollouts", "timing_s/update", "val-core/rlake/arith/reward/mean_at_1"):
+                "response_length/mean", "timing_s/rollouts", "timing_s/update", "timing_s/step", "val-core/rlake/arith/reward/mean_at_1"):
         assert key in run.data.metrics, key
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")]
     assert steps == [1, 2]
