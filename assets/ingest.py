@@ -8,7 +8,7 @@ from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResou
                               TrackerResource)
 from stages.evaluate import validate_policy
 from stages.ingest import build_prompt_rows
-from stages.models import load_policy
+from stages.models import load_tokenizer
 from stages.policy_init import create_initial_policy
 from stages.tables import PROMPTS_ITERATION
 
@@ -35,7 +35,7 @@ def initial_policy(run_config: RunConfigResource, rollout_store: RolloutStoreRes
     out = model_store.for_run(cfg.run_id).policy_dir(0)
     meta = create_initial_policy(cfg.model, rows[rows["split"] == "train"], out, seed=cfg.seed)
     ray.ensure()
-    _, tok = load_policy(out)
+    tok = load_tokenizer(out)
     val = validate_policy(str(out), rows[rows["split"] == "val"], tok, cfg)
     tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), val, step=0)
     write_lineage = lineage(cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0)

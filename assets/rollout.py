@@ -8,7 +8,7 @@ from assets.ingest import initial_policy, prompts
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from stages.data import sample_prompt_batch
 from stages.evaluate import prompt_batch_frame
-from stages.models import load_policy
+from stages.models import load_tokenizer
 from stages.rollout import generate_rollouts
 from stages.tables import PROMPTS_ITERATION
 
@@ -23,7 +23,7 @@ def prompt_batch(context: dg.AssetExecutionContext, run_config: RunConfigResourc
         train = rows[rows["split"] == "train"].set_index("prompt_id")
         picks = sample_prompt_batch(list(train.index), it, cfg.data.train_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
         chosen = train.loc[[p for p, _, _ in picks]].reset_index()
-        _, tok = load_policy(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batch"))
+        tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batch"))
         batch = prompt_batch_frame(chosen, tok, cfg.data.max_prompt_length)
         batch = batch.assign(epoch=[e for _, e, _ in picks], position=[p for _, _, p in picks])
     v = rollout_store.write("prompt_batches", batch, run_id=cfg.run_id, iteration=it,

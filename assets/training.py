@@ -11,7 +11,7 @@ from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResou
                               TrackerResource)
 from assets.scoring import advantages
 from stages.metrics import rollout_metrics
-from stages.models import load_policy
+from stages.models import load_tokenizer
 from stages.store import commit_lineage
 from stages.tables import PROMPTS_ITERATION
 from stages.update import METRICS_FILE, run_policy_update
@@ -53,7 +53,7 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
     if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
         ray.ensure()
         prompts, _ = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
-        m |= validate_policy(str(new_dir), prompts[prompts["split"] == "val"], load_policy(new_dir)[1], cfg)
+        m |= validate_policy(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
     tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
     v = rollout_store.write("iteration_metrics", rows, run_id=cfg.run_id, iteration=it, lineage=lineage(

@@ -103,9 +103,9 @@ def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg,
     return losses
 
 
-def load_policy(model_dir: str | Path, dtype: str = "float32"):
-    """Load (model, tokenizer) from a local HF checkpoint; never touches a hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of a local HF checkpoint (left padding, pad falls back to eos); no weights read."""
+    from transformers import AutoTokenizer
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -117,7 +117,15 @@ def load_policy(model_dir: str | Path, dtype: str = "float32"):
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
+    return tok
+
+
+def load_policy(model_dir: str | Path, dtype: str = "float32"):
+    """Load (model, tokenizer) from a local HF checkpoint; never touches a hub."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(Path(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
     return model, tok
 
 

@@ -11,7 +11,7 @@ import math
 import pandas as pd
 
 from stages.rewards import reward_fn_for
-from stages.rollout import actor_cpus, split_frame
+from stages.ray_data import map_with_actor_pool
 
 
 class RewardStage:
@@ -49,10 +49,6 @@ def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True) 
     kwargs = {"format_score": reward_cfg.format_score, "score": reward_cfg.score, "on_error": reward_cfg.on_error}
     if not use_ray:
         return RewardStage(**kwargs)(rollouts)
-    import ray.data
-
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))
-    ds = ray.data.from_pandas(split_frame(rollouts, parts))
-    out = ds.map_batches(RewardStage, fn_constructor_kwargs=kwargs, batch_format="pandas", batch_size=None,
-                         compute=ray.data.ActorPoolStrategy(size=parts), num_cpus=actor_cpus(parts, 0.5)).to_pandas()
+    out = map_with_actor_pool(rollouts, RewardStage, kwargs, workers=parts, cpus_per_actor=0.5)
     return out.sort_values("rollout_id").reset_index(drop=True)

@@ -11,6 +11,7 @@ import pandas as pd
 
 from stages.engines import SamplingSpec, build_engine, resolve_engine_name
 from stages.models import encode_chat
+from stages.ray_data import map_with_actor_pool
 
 
 def tokenize_prompts(messages: list[list[dict]], tokenizer, max_prompt_length: int,
@@ -69,21 +70,6 @@ class RolloutStage:
         return out
 
 
-def actor_cpus(workers: int, want: float = 1.0) -> float:
-    """CPUs per Ray Data actor so that `workers` actors leave one CPU for Ray Data's own tasks
-    (actors holding every CPU deadlock the tasks feeding them: seen on 2 cores)."""
-    import ray
-
-    total = float(ray.cluster_resources().get("CPU", 1.0))
-    return max(0.1, min(want, (total - 1.0) / workers))
-
-
-def split_frame(df: pd.DataFrame, parts: int) -> list[pd.DataFrame]:
-    """Contiguous, near-equal chunks: Ray Data blocks made in the driver, no repartition task."""
-    bounds = [round(i * len(df) / parts) for i in range(parts + 1)]
-    return [df.iloc[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
 def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg, max_tokens: int, seed: int,
                       greedy: bool = False, n: int | None = None, use_ray: bool = True) -> pd.DataFrame:
     """Run the rollout stage over prompt_batch (prompt_id, prompt_token_ids, ...), sorted output.
@@ -94,14 +80,9 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
     kwargs = {"model_dir": model_dir, "engine": rollout_cfg.name, "sampling": spec.__dict__,
               "micro_batch_size": rollout_cfg.micro_batch_size}
     if use_ray:
-        import ray.data
-
         workers = max(1, min(rollout_cfg.num_workers, len(prompt_batch)))
-        ds = ray.data.from_pandas(split_frame(prompt_batch, workers))
-        out = ds.map_batches(RolloutStage, fn_constructor_kwargs={**kwargs, "num_threads": 2 if workers == 1 else 1},
-                             batch_format="pandas", batch_size=None,
-                             compute=ray.data.ActorPoolStrategy(size=workers),
-                             num_cpus=actor_cpus(workers)).to_pandas()
+        out = map_with_actor_pool(prompt_batch, RolloutStage, {**kwargs, "num_threads": 2 if workers == 1 else 1},
+                                  workers=workers)
     else:
         out = RolloutStage(**kwargs)(prompt_batch)
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)
