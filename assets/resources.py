@@ -85,6 +85,8 @@ class TrackerResource(dg.ConfigurableResource):
 
     tracking_uri: str
     experiment_name: str = "rlake"
+    artifact_root: str | None = None
+    """Where the experiment's artifacts go (else MLflow's default, ./mlruns of the current directory)."""
 
     def _client(self):
         from mlflow.tracking import MlflowClient
@@ -95,7 +97,8 @@ class TrackerResource(dg.ConfigurableResource):
         """The MLflow run id of rlake run `run_id`, created (with params and config) on first use."""
         client = self._client()
         exp = client.get_experiment_by_name(self.experiment_name)
-        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment_name)
+        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment_name,
+                                                                         artifact_location=self.artifact_root)
         found = client.search_runs([exp_id], filter_string=f"tags.`rlake.run_id` = '{run_id}'", max_results=1)
         if found:
             return found[0].info.run_id

@@ -18,5 +18,6 @@ def build_resources(config_path: str, overrides: list[str] | tuple[str, ...] = (
         "ray": RayResource(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus),
         "rollout_store": RolloutStoreResource(root=str(out / "tables")),
         "model_store": ModelStoreResource(root=str(out / "checkpoints")),
-        "tracker": TrackerResource(tracking_uri=tracking, experiment_name=cfg.trainer.project_name),
+        "tracker": TrackerResource(tracking_uri=tracking, experiment_name=cfg.trainer.project_name,
+                                   artifact_root=(out / "mlartifacts").as_uri()),
     }
