@@ -1,7 +1,6 @@
 """Per-iteration optimization and bookkeeping assets: policy update and iteration metrics."""
 
 import json
-from pathlib import Path
 
 import dagster as dg
 import pandas as pd
@@ -21,7 +20,7 @@ from stages.evaluate import validate_policy
 @dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=[advantages])
 def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
-    """PPO update on Ray Train workers; writes policy version iteration+1 (HF format + optimizer state)."""
+    """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer state)."""
     cfg, it = run_config.load(), int(context.partition_key)
     ms = model_store.for_run(cfg.run_id)
     uri = rollout_store.uri("advantages")
@@ -31,8 +30,7 @@ def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigRe
            "actor": cfg.actor.model_dump(mode="json"), "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
            "n_per_prompt": cfg.rollout.n, "seed": cfg.seed * 7 + it}
     ray.ensure()
-    metrics = run_policy_update(job, num_workers=cfg.actor.num_workers, name=f"{cfg.run_id}-update-{it}",
-                                storage_path=str(Path(model_store.root).parent / "ray_train"))
+    metrics = run_policy_update(job, num_workers=cfg.actor.num_workers)
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
     return dg.MaterializeResult(metadata={**metrics, "policy_version": it + 1, "path": job["out_dir"],
                                           "advantages_version": adv_version, "pruned_versions": pruned})

@@ -1,17 +1,20 @@
-"""Rollout stage: prompts -> n sampled responses each, on a Ray Data actor pool.
+"""Rollout stage: prompts -> n sampled responses each, on the run's persistent engine hosts.
 
-The engine (HF or vLLM) is built once per actor in `__init__`, never per batch. Each output row
-is one rollout with its prompt and response token ids, per-token logprobs and finish reason.
+The engine (HF or vLLM) is built once per worker and kept for the whole run: after a policy
+update it takes the new weights in place (`RolloutEngine.load_checkpoint`) instead of being
+rebuilt. Each output row is one rollout with its prompt and response token ids, per-token
+logprobs and finish reason.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pandas as pd
 
 from stages.engines import SamplingSpec, build_engine, resolve_engine_name
 from stages.models import encode_chat
-from stages.ray_data import map_with_actor_pool
+from stages.ray_data import split_frame
 
 
 def tokenize_prompts(messages: list[list[dict]], tokenizer, max_prompt_length: int,
@@ -37,26 +40,48 @@ def sampling_from_config(rollout_cfg, max_tokens: int, *, seed: int, greedy: boo
 
 
 class RolloutStage:
-    """ds.map_batches(RolloutStage, fn_constructor_kwargs={...}, concurrency=k)."""
+    """Hosts one engine for the whole run and keeps its weights current.
 
-    def __init__(self, model_dir: str, engine: str, sampling: dict, micro_batch_size: int = 256,
-                 num_threads: int | None = None) -> None:
-        t0 = time.perf_counter()
+    `sync(model_dir)` is free when the engine already holds that checkpoint, loads the weights in
+    place when only the weights changed (vLLM: reload_weights + prefix-cache reset), and builds
+    a new engine when the architecture, engine or batch size changed. `last_sync` says which.
+    """
+
+    def __init__(self, engine: str, micro_batch_size: int = 256, num_threads: int | None = None) -> None:
         self.engine_name = resolve_engine_name(engine)
-        # vLLM's CPU attention sizes its thread pool from the OpenMP runtime Ray started with;
-        # changing torch's thread count afterwards makes it abort, so only HF gets num_threads
-        threads = num_threads if self.engine_name == "hf" else None
-        self.engine = build_engine(self.engine_name, model_dir, micro_batch_size=micro_batch_size,
-                                   num_threads=threads)
-        self.sampling = SamplingSpec(**{**sampling, "stop": tuple(sampling.get("stop", ()))})
-        self.build_s = time.perf_counter() - t0
+        # vLLM's CPU attention sizes its thread pool from the OpenMP runtime the process started
+        # with (the worker's OMP_NUM_THREADS); changing torch's thread count afterwards makes it
+        # abort, so only HF gets num_threads
+        self.num_threads = num_threads if self.engine_name == "hf" else None
+        self.micro_batch_size = micro_batch_size
+        self.engine = None
+        self.loaded: tuple | None = None
+        self.last_sync, self.last_sync_s = "none", 0.0
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+    def sync(self, model_dir: str) -> str:
         t0 = time.perf_counter()
-        seed = None if self.sampling.seed is None else self.sampling.seed * 1_000_003 + int(batch["prompt_id"].min())
-        spec = SamplingSpec(**{**self.sampling.__dict__, "seed": seed})
-        prompts = [list(map(int, p)) for p in batch["prompt_token_ids"]]
-        outs = self.engine.generate(prompts, spec)
+        ident = checkpoint_identity(model_dir)
+        if self.engine is not None and ident == self.loaded:
+            self.last_sync = "cached"
+        elif self.engine is not None and self.loaded is not None and ident[2] == self.loaded[2]:
+            self.engine.load_checkpoint(model_dir)
+            self.last_sync = "in_place"
+        else:
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+            self.engine = build_engine(self.engine_name, model_dir, micro_batch_size=self.micro_batch_size,
+                                       num_threads=self.num_threads)
+            self.last_sync = "build"
+        self.loaded, self.last_sync_s = ident, time.perf_counter() - t0
+        return self.last_sync
+
+    def generate(self, batch: pd.DataFrame, sampling: SamplingSpec) -> pd.DataFrame:
+        """One row per (prompt row, sample) with token ids, logprobs, finish reason and timings."""
+        t0 = time.perf_counter()
+        seed = None if sampling.seed is None else sampling.seed * 1_000_003 + int(batch["prompt_id"].min())
+        spec = SamplingSpec(**{**sampling.__dict__, "seed": seed})
+        outs = self.engine.generate([list(map(int, p)) for p in batch["prompt_token_ids"]], spec)
         rows = []
         for (_, prow), gens in zip(batch.iterrows(), outs):
             for k, g in enumerate(gens):
@@ -66,25 +91,64 @@ class RolloutStage:
                              "engine": self.engine.name})
         out = pd.DataFrame(rows)
         out["generate_s"] = time.perf_counter() - t0
-        out["engine_build_s"] = self.build_s
+        out["engine_sync"] = self.last_sync
+        out["engine_sync_s"] = self.last_sync_s
         return out
+
+
+def checkpoint_identity(model_dir: str) -> tuple[str, str, str]:
+    """(resolved dir, checkpoint id or weights mtime, config.json text): what an engine holds."""
+    from stages.update import checkpoint_id
+
+    path = Path(model_dir).resolve()
+    cfg = (path / "config.json").read_text()
+    ident = checkpoint_id(path) or ":".join(f"{f.name}@{f.stat().st_mtime_ns}" for f in sorted(path.glob("*.safetensors")))
+    return str(path), ident, cfg
+
+
+_HOST: dict[tuple, RolloutStage] = {}
+"""The engine host of this process (a persistent rollout worker, or the driver for use_ray=False)."""
+
+
+def host_generate(model_dir: str, engine: str, micro_batch_size: int, num_threads: int | None,
+                  batch: pd.DataFrame, sampling: SamplingSpec) -> pd.DataFrame:
+    """Generate with this process's engine host (built on first use, synced to model_dir)."""
+    key = (resolve_engine_name(engine), micro_batch_size, num_threads)
+    if key not in _HOST:
+        for old in _HOST.values():  # one engine per process: free the previous one first
+            close = getattr(old.engine, "close", None)
+            if close is not None:
+                close()
+        _HOST.clear()
+        _HOST[key] = RolloutStage(engine, micro_batch_size, num_threads)
+    host = _HOST[key]
+    host.sync(model_dir)
+    return host.generate(batch, sampling)
 
 
 def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg, max_tokens: int, seed: int,
                       greedy: bool = False, n: int | None = None, use_ray: bool = True) -> pd.DataFrame:
     """Run the rollout stage over prompt_batch (prompt_id, prompt_token_ids, ...), sorted output.
 
-    Returns one row per (prompt, sample) with rollout_id = position in (prompt_id, sample_index) order.
+    With use_ray, the batch is split into contiguous shards over the run's rollout.num_workers
+    persistent engine hosts (Ray actors that keep their engine across iterations); else the driver
+    hosts the engine. Returns one row per (prompt, sample) with rollout_id = position in
+    (prompt_id, sample_index) order.
     """
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
-    kwargs = {"model_dir": model_dir, "engine": rollout_cfg.name, "sampling": spec.__dict__,
-              "micro_batch_size": rollout_cfg.micro_batch_size}
+    workers = rollout_cfg.num_workers
+    threads = 2 if workers == 1 else 1
+    args = (model_dir, rollout_cfg.name, rollout_cfg.micro_batch_size, threads)
     if use_ray:
-        workers = max(1, min(rollout_cfg.num_workers, len(prompt_batch)))
-        out = map_with_actor_pool(prompt_batch, RolloutStage, {**kwargs, "num_threads": 2 if workers == 1 else 1},
-                                  workers=workers)
+        from stages.worker_group import run_with_retry
+
+        shards = split_frame(prompt_batch, min(workers, len(prompt_batch)))
+        calls = [("stages.rollout:host_generate", *args, shard, spec) for shard in shards]
+        parts = run_with_retry("rollout", workers, lambda g: g.map("call", calls), threads=threads,
+                               process_group=False)
+        out = pd.concat(parts, ignore_index=True)
     else:
-        out = RolloutStage(**kwargs)(prompt_batch)
+        out = host_generate(*args, prompt_batch, spec)
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)
     out["rollout_id"] = range(len(out))
     return out

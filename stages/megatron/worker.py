@@ -10,9 +10,6 @@ backend's format (HF parameter order), so the next iteration may use either back
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -93,20 +90,6 @@ def import_optimizer_state(opt: torch.optim.Optimizer, model, hf_state: dict, ar
                                    for i, n in enumerate(names)}, "param_groups": groups})
 
 
-def _write_checkpoint(job: dict, hf_model, tok, opt_state: dict, sched_state: dict, metrics: dict) -> None:
-    from stages.models import save_policy
-    from stages.update import METRICS_FILE, OPTIMIZER_FILE
-
-    out = Path(job["out_dir"])
-    tmp = out.with_name(out.name + ".tmp")
-    save_policy(hf_model, tok, tmp)
-    torch.save({"optimizer": opt_state, "scheduler": sched_state}, tmp / OPTIMIZER_FILE)
-    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    if out.exists():  # a retried attempt replaces its own earlier output
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # atomic: a checkpoint is either complete or absent
-
-
 def _load(job: dict, actor_cfg, tp: int, pp: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -139,7 +122,7 @@ def train_loop_per_worker(job: dict) -> None:
 
     from configs.schema import ActorConfig
     from stages.megatron.ppo import megatron_ppo_update
-    from stages.update import _worker_rows
+    from stages.update import _worker_rows, write_checkpoint
 
     torch.set_num_threads(job.get("threads_per_worker", 1))
     own_group = _ensure_process_group()
@@ -165,7 +148,8 @@ def train_loop_per_worker(job: dict) -> None:
         opt_state = export_optimizer_state(opt, model, arch, hf_names, tp=tp, pp=pp)
         if dist.get_rank() == 0:
             hf_model.load_state_dict(megatron_to_hf(shards, arch, tp=tp, pp=pp), strict=True)
-            _write_checkpoint(job, hf_model, tok, opt_state, sched.state_dict(), metrics)
+            write_checkpoint(job["out_dir"], hf_model, tok, opt_state, sched.state_dict(), metrics,
+                             job.get("checkpoint_id"))
     finally:
         ps.destroy_model_parallel()
         if own_group:

@@ -234,7 +234,7 @@ def test_ray_train_dispatch_tp2(policy_and_table, megatron_outs, initial_weights
     job = make_job(policy_and_table, "megatron_ray_tp2", tp=2, num_workers=2)
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
-        metrics = run_policy_update(job, num_workers=2, storage_path=str(tmp_path / "ray"), name="tp2")
+        metrics = run_policy_update(job, num_workers=2)
     finally:
         ray.shutdown()
     assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT

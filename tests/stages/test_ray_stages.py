@@ -53,7 +53,7 @@ def test_ray_train_two_workers_equal_single_process(ray_session, tiny_checkpoint
     job = {"run_id": "r", "iteration": 0, "advantages_uri": uri, "advantages_version": version,
            "policy_dir": str(tiny_checkpoint), "out_dir": str(tmp_path / "v1"), "actor": actor.model_dump(mode="json"),
            "ppo_mini_batch_size": 4, "n_per_prompt": 4, "seed": 0}
-    metrics = run_policy_update(job, num_workers=2, storage_path=str(tmp_path / "ray"), name="t")
+    metrics = run_policy_update(job, num_workers=2)
     assert json.loads((tmp_path / "v1" / METRICS_FILE).read_text())["actor/num_rollouts"] == 16.0
     assert (tmp_path / "v1" / "optimizer.pt").is_file() and metrics["timing_s/update"] > 0
     ddp, _ = load_policy(tmp_path / "v1")
