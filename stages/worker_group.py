@@ -132,17 +132,21 @@ def worker_group(kind: str, num_workers: int, *, threads: int = 1, **kwargs: Any
 
 
 def run_with_retry(kind: str, num_workers: int, fn: Callable[[WorkerGroup], Any], *, threads: int = 1,
-                   **kwargs: Any) -> Any:
-    """fn(group); if an actor died (not a Python error in the task), rebuild the group and retry once."""
+                   retries: int = 1, **kwargs: Any) -> Any:
+    """fn(group); if an actor died (not a Python error in the task), rebuild the group and retry,
+    up to `retries` times, then raise the last error."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    group = worker_group(kind, num_workers, threads=threads, **kwargs)
-    try:
-        return fn(group)
-    except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-        log.warning("%s worker group lost an actor (%s); rebuilding it and retrying once", kind, exc)
-        group.kill()
-        return fn(worker_group(kind, num_workers, threads=threads, **kwargs))
+    for attempt in range(retries + 1):
+        group = worker_group(kind, num_workers, threads=threads, **kwargs)
+        try:
+            return fn(group)
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            group.kill()
+            if attempt == retries:
+                raise
+            log.warning("%s worker group lost an actor (%s); rebuilding it, retry %d of %d", kind, exc,
+                        attempt + 1, retries)
 
 
 def shutdown_worker_groups() -> None:
