@@ -1,10 +1,14 @@
-"""Shared pieces of the assets: partitions, groups, lineage metadata."""
+"""Shared pieces of the assets: partitions, groups, lineage metadata, recorded upstream reads."""
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
 import dagster as dg
+import pandas as pd
+
+from stages import store
+from stages.tables import PROMPTS_ITERATION
 
 iterations = dg.DynamicPartitionsDefinition(name="iteration")
 
@@ -17,8 +21,62 @@ EVAL = "EVAL"
 def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, int | None],
             duration_s: float) -> dict:
     """Commit metadata every table write carries (run id, iteration and code version are added by the store)."""
+    sources = {t: getattr(v, "source", "newest") for t, v in upstream.items()}
     return {"stage": stage, "policy_version": str(policy_version), "config_hash": cfg.config_hash(),
-            "upstream": upstream, "duration_s": f"{duration_s:.3f}"}
+            "upstream": {t: None if v is None else int(v) for t, v in upstream.items()},
+            "upstream_version_source": sources, "duration_s": f"{duration_s:.3f}"}
+
+
+ASSET_OF_TABLE = {"prompts": "prompts", "prompt_batches": "prompt_batch", "rollouts": "rollouts",
+                  "scored_rollouts": "scored_rollouts", "advantages": "advantages",
+                  "iteration_metrics": "iteration_metrics", "values": "values",
+                  "ref_logprobs": "ref_logprobs"}
+
+
+class UpstreamVersion(int):
+    """A Delta table version plus where it came from: "dagster" (the upstream asset's latest
+    materialization of this partition recorded it) or "newest" (no such record: the table's newest version)."""
+
+    source: str
+
+    def __new__(cls, version: int, source: str) -> UpstreamVersion:
+        obj = super().__new__(cls, version)
+        obj.source = source
+        return obj
+
+
+def recorded_version(instance: dg.DagsterInstance, uri: str, table: str, run_id: str, iteration: int,
+                     *, lookback: int = 20) -> int | None:
+    """The Delta version of `table` that the upstream asset's latest materialization of this iteration's
+    partition recorded ("delta_version" metadata), checked against the commit's own lineage (same run,
+    same iteration), so materializations of another rlake run or another output_dir are skipped."""
+    asset = ASSET_OF_TABLE.get(table)
+    if asset is None or not store.table_exists(uri):
+        return None
+    partitions = None if iteration == PROMPTS_ITERATION else [str(iteration)]
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=partitions), limit=lookback).records
+    commits = {c["version"]: c for c in store.commit_lineage(uri, run_id=run_id, iteration=iteration)}
+    for rec in records:  # newest first
+        meta = rec.asset_materialization.metadata if rec.asset_materialization else {}
+        version = meta.get("delta_version")
+        if version is not None and int(version.value) in commits:
+            return int(version.value)
+    return None
+
+
+def read_recorded(context, rollout_store, table: str, run_id: str, iteration: int) -> tuple[pd.DataFrame, UpstreamVersion]:
+    """Read an upstream partition at the version its asset's latest materialization recorded, falling back
+    to the table's newest version (source "newest") for tables written outside Dagster."""
+    uri = rollout_store.uri(table)
+    version = recorded_version(context.instance, uri, table, run_id, iteration)
+    if version is None:
+        df, newest = rollout_store.read(table, run_id, iteration)
+        context.log.warning(f"no Dagster materialization of '{ASSET_OF_TABLE.get(table, table)}' records a version "
+                            f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}")
+        return df, UpstreamVersion(newest, "newest")
+    df, _ = rollout_store.read(table, run_id, iteration, version=version)
+    return df, UpstreamVersion(version, "dagster")
 
 
 @contextmanager

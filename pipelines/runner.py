@@ -21,11 +21,21 @@ def dagster_home(output_dir: str) -> Path:
 def run_training(config_path: str, overrides: list[str], *, run_id: str | None = None, steps: int | None = None,
                  log: Callable[[str], None] = print) -> dict:
     """Returns {"run_id", "setup": metadata of initial_policy, "iterations": [metadata of iteration_metrics]}."""
+    from pydantic import ValidationError
+
     from configs.schema import load_config
+    from stages.preflight import explain_config_error, preflight
+    from stages.resume import plan_resume
 
     overrides = list(overrides)
-    cfg = load_config(config_path, overrides)  # a bad config fails here, before any work
-    run_id = run_id or cfg.trainer.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        cfg = load_config(config_path, overrides)  # a bad config fails here, before any work
+    except ValidationError as exc:
+        raise explain_config_error(exc) from None
+
+    preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
+    plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
+    run_id = plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides.append(f"trainer.run_id={run_id}")
     cfg = load_config(config_path, overrides)
     dagster_home(cfg.trainer.output_dir)
@@ -38,22 +48,64 @@ def run_training(config_path: str, overrides: list[str], *, run_id: str | None =
     instance = dg.DagsterInstance.get()
     out = Path(cfg.trainer.output_dir).resolve()
     log(f"rlake run {run_id}  config {config_path}  hash {cfg.config_hash()}  output {out}")
+    log(plan.reason)
+    partial = _model_store(out, run_id).remove_partial()
+    if partial:
+        log(f"removed partial checkpoint writes of a killed run: {partial}")
+    stale = _fail_stale_runs(instance, run_id)
+    if stale:
+        log(f"marked {len(stale)} Dagster run(s) of a killed process as failed: {stale}")
     t0 = time.perf_counter()
     tags = {"rlake/run_id": run_id}
-    result = defs.resolve_job_def(SETUP_JOB).execute_in_process(instance=instance, tags=tags, run_config=QUIET)
-    setup = _metadata(result, "initial_policy")
-    log(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
+    setup: dict = {}
+    if plan.run_setup:
+        result = defs.resolve_job_def(SETUP_JOB).execute_in_process(instance=instance, tags=tags, run_config=QUIET)
+        setup = _metadata(result, "initial_policy")
+        _save_trainer_state(cfg, out, run_id, 0)
+        log(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
     history = []
-    for it in range(cfg.trainer.total_training_steps if steps is None else steps):
+    total = cfg.trainer.total_training_steps if steps is None else steps
+    for it in range(plan.start_iteration, total):
         t1 = time.perf_counter()
         instance.add_dynamic_partitions("iteration", [str(it)])
         res = defs.resolve_job_def(ITERATION_JOB).execute_in_process(partition_key=str(it), instance=instance,
                                                                      tags=tags, run_config=QUIET)
         history.append(_metadata(res, "iteration_metrics"))
+        _save_trainer_state(cfg, out, run_id, it + 1)
         log(f"iteration {it}: {time.perf_counter() - t1:.1f}s  " + _fmt_items(history[-1], ""))
     log(f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {out / 'tables'}; "
         f"MLflow: {defs.resources['tracker'].tracking_uri} (experiment {cfg.trainer.project_name}, run {run_id})")
-    return {"run_id": run_id, "setup": setup, "iterations": history}
+    return {"run_id": run_id, "setup": setup, "iterations": history, "start_iteration": plan.start_iteration,
+            "resume": plan.reason}
+
+
+def _fail_stale_runs(instance, run_id: str) -> list[str]:
+    """Dagster runs of this rlake run still STARTED/STARTING: their process was killed (runs are in-process)."""
+    import dagster as dg
+
+    statuses = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]
+    stale = instance.get_runs(filters=dg.RunsFilter(statuses=statuses, tags={"rlake/run_id": run_id}))
+    for run in stale:
+        instance.report_run_failed(run, message="the rlake train process running it was killed; the run was resumed")
+    return [run.run_id[:8] for run in stale]
+
+
+def _model_store(out: Path, run_id: str):
+    from stages.checkpoints import ModelStore
+
+    return ModelStore(out / "checkpoints", run_id)
+
+
+def _save_trainer_state(cfg, out: Path, run_id: str, version: int) -> None:
+    """trainer_state.json next to policy_v<version> (when that version is kept after pruning)."""
+    from stages.resume import trainer_state, write_trainer_state
+    from stages.store import read_partition
+
+    policy_dir = _model_store(out, run_id).policy_dir(version)
+    if not (policy_dir / "config.json").is_file():
+        return
+    prompts = read_partition(str(out / "tables" / "prompts"), run_id, -1, columns=["split"])
+    write_trainer_state(policy_dir, trainer_state(cfg, run_id, version, int((prompts["split"] == "train").sum())))
 
 
 def _metadata(result, asset: str) -> dict:

@@ -16,9 +16,10 @@ def next_iteration(job_name: str, partition_key: str | None, total_steps: int) -
     return None
 
 
-def make_next_iteration_sensor(total_steps: int) -> dg.RunStatusSensorDefinition:
+def make_next_iteration_sensor(total_steps: int, request_job=iteration_job) -> dg.RunStatusSensorDefinition:
+    """request_job: the Definitions' iteration job (pipelines.jobs.make_iteration_job(cfg))."""
     @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, name="next_iteration_sensor",
-                          monitor_all_code_locations=False, request_job=iteration_job,
+                          monitor_all_code_locations=False, request_job=request_job,
                           default_status=dg.DefaultSensorStatus.STOPPED, minimum_interval_seconds=5)
     def next_iteration_sensor(context: dg.RunStatusSensorContext):
         run = context.dagster_run

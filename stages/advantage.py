@@ -12,10 +12,14 @@ import pandas as pd
 import torch
 
 from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
+from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
+from stages.algos.kl_ctrl import make_kl_controller
 
 
-def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg) -> pd.DataFrame:
-    """Rows of the advantages table for one iteration's scored rollouts."""
+def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg, values: pd.DataFrame | None = None, *,
+                            ref: pd.DataFrame | None = None, kl_coef: float | None = None) -> pd.DataFrame:
+    """Rows of the advantages table for one iteration's scored rollouts (`values`: the iteration's
+    values table, rollout_id + per-token critic values; needed by adv_estimator='gae')."""
     rewards = scored["reward"].to_numpy(dtype=np.float64)
     if not np.isfinite(rewards).all():
         bad = scored.loc[~np.isfinite(rewards), "rollout_id"].tolist()[:10]
@@ -25,7 +29,11 @@ def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg) -> pd.DataFrame
     width = max(1, int(lengths.max()))
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
     token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
-    adv, _ = compute_advantages(algorithm_cfg.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
+    # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
+    token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef)
+    adv, returns = compute_advantages(algorithm_cfg.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
+                                values=critic_values(scored, values, width) if algorithm_cfg.adv_estimator == "gae" else None,
+                                lam=algorithm_cfg.lam,
                                 group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
                                 gamma=algorithm_cfg.gamma, norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo)
     token_adv = [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
@@ -35,5 +43,84 @@ def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg) -> pd.DataFrame
         "prompt_token_ids": scored["prompt_token_ids"].to_numpy(),
         "response_token_ids": scored["response_token_ids"].to_numpy(),
         "reward": rewards, "advantage": adv[:, 0].numpy(), "token_advantages": token_adv,
-        "adv_estimator": algorithm_cfg.adv_estimator,
+        "adv_estimator": algorithm_cfg.adv_estimator, **kl_cols,
+        "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
     })
+
+
+def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int) -> torch.Tensor:
+    """(N, width) critic values aligned to `scored` by rollout_id (GAE), zeros after each response."""
+    if values is None:
+        raise ValueError("adv_estimator='gae' needs the iteration's critic values (the `values` table); "
+                         "materialize the `values` asset of this iteration first, or pick another estimator")
+    by_id = dict(zip(values["rollout_id"].tolist(), values["values"]))
+    missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
+    if missing:
+        raise ValueError(f"rollouts {missing} have no critic values; the values table is from other rollouts: "
+                         "re-materialize `values` of this iteration after its rollouts")
+    out = torch.zeros(len(scored), width)
+    for i, (rid, n) in enumerate(zip(scored["rollout_id"].tolist(), scored["response_length"].tolist())):
+        v = list(by_id[rid])
+        if len(v) != n:
+            raise ValueError(f"rollout {rid}: {len(v)} critic values for {n} response tokens; re-materialize `values`")
+        out[i, :n] = torch.as_tensor(v, dtype=torch.float32)
+    return out
+
+
+def reward_kl_columns(scored: pd.DataFrame, ref: pd.DataFrame | None, token_rewards: torch.Tensor, mask: torch.Tensor,
+                      algorithm_cfg, kl_coef: float | None) -> tuple[torch.Tensor, dict]:
+    """(token-level rewards, the ref_logprobs / kl_coef / reward_kl columns of the advantages table).
+
+    With ref (rollout_id + ref_logprobs lists) the rows carry their reference log-probs (for actor.use_kl_loss);
+    with algorithm.use_kl_in_reward also r_t -= kl_coef * KL_t(rollout_logprobs, ref_logprobs) (verl
+    apply_kl_penalty) and reward_kl = the rollout's token-mean KL, which the adaptive controller reads back."""
+    n = len(scored)
+    cols = {"ref_logprobs": [[] for _ in range(n)], "kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan)}
+    if ref is None:
+        if algorithm_cfg.use_kl_in_reward:
+            raise ValueError("algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize "
+                             "the ref_logprobs asset of this iteration first, or set use_kl_in_reward=false")
+        return token_rewards, cols
+    by_id = dict(zip(ref["rollout_id"].tolist(), ref["ref_logprobs"]))
+    missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
+    if missing:
+        raise ValueError(f"rollouts {missing} have no reference log-probs; the ref_logprobs table is from other "
+                         "rollouts: re-materialize ref_logprobs of this iteration after its rollouts")
+    ref_lp, lp = torch.zeros_like(mask), torch.zeros_like(mask)  # (N, L)
+    for i, (rid, own) in enumerate(zip(scored["rollout_id"].tolist(), scored["rollout_logprobs"])):
+        r = list(by_id[rid])
+        assert len(r) == len(own) == int(mask[i].sum()), f"rollout {rid}: {len(r)=} {len(own)=}"
+        ref_lp[i, :len(r)] = torch.as_tensor(r, dtype=torch.float32)
+        lp[i, :len(own)] = torch.as_tensor(list(own), dtype=torch.float32)
+    cols["ref_logprobs"] = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
+    if not algorithm_cfg.use_kl_in_reward:
+        return token_rewards, cols
+    beta = algorithm_cfg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
+    rewards, _ = apply_kl_penalty(token_rewards, lp, ref_lp, mask, beta, algorithm_cfg.kl_penalty)
+    kld = compute_kl_penalty(lp, ref_lp, algorithm_cfg.kl_penalty) * mask  # (N, L)
+    cols["reward_kl"] = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
+    cols["kl_coef"] = np.full(n, beta)
+    return rewards, cols
+
+
+def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float:
+    """beta of this iteration: kl_ctrl.kl_coef (fixed, or iteration 0), else the adaptive controller's update
+    of the previous iteration's stored beta by its stored per-rollout KL (a function of stored data only,
+    so re-materializing or resuming an iteration reproduces it).
+
+    previous: the previous iteration's advantages partition (kl_coef, reward_kl), None at iteration 0."""
+    ctrl = algorithm_cfg.kl_ctrl
+    if ctrl.type == "fixed" or previous is None:
+        return float(ctrl.kl_coef)
+    beta = float(previous["kl_coef"].iloc[0])
+    kl = previous["reward_kl"].to_numpy(dtype=np.float64)
+    if not np.isfinite(beta) or not np.isfinite(kl).all():
+        raise ValueError("the previous iteration's advantages hold no KL-in-reward coefficient (it ran without "
+                         "algorithm.use_kl_in_reward); re-materialize it with this config or use kl_ctrl.type=fixed")
+    controller = make_kl_controller("adaptive", kl_coef=beta, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    controller.update(float(kl.mean()), n_steps=len(previous))
+    return float(controller.value)
+
+
+def uses_adaptive_kl(cfg) -> bool:
+    return bool(cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == "adaptive")

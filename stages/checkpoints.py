@@ -18,6 +18,10 @@ class ModelStore:
     def policy_dir(self, version: int) -> Path:
         return self.dir / f"policy_v{version}"
 
+    def critic_dir(self, version: int) -> Path:
+        """Critic (PPO with GAE) version `version`: it scores iteration `version`'s rollouts (stages.critic)."""
+        return self.dir / f"critic_v{version}"
+
     def versions(self) -> list[int]:
         if not self.dir.is_dir():
             return []
@@ -33,6 +37,16 @@ class ModelStore:
                 f"Version {version} is written by iteration {version - 1}'s policy_checkpoint "
                 "(version 0 by initial_policy): materialize that first.")
         return path
+
+    def remove_partial(self) -> list[str]:
+        """Delete leftovers of a writer killed mid-write (policy_vN.tmp); complete versions are untouched."""
+        if not self.dir.is_dir():
+            return []
+        removed = []
+        for p in sorted(self.dir.glob("policy_v*.tmp")):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p.name)
+        return removed
 
     def prune(self, keep_every: int, latest: int) -> list[int]:
         """Delete versions not multiple of keep_every, except 0 and the newest two; returns deleted."""

@@ -55,6 +55,15 @@ def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
+def generate_synthetic_task(out_dir: str | Path, cfg) -> tuple[str, str]:
+    """The configured synthetic task (cfg.task: addition | word_problems) as train/val parquet paths."""
+    if cfg.task == "word_problems":
+        from stages.word_problems import generate_word_problem_task
+
+        return generate_word_problem_task(out_dir, cfg)
+    return generate_arith_task(out_dir, cfg)
+
+
 def _check_row_types(df: pd.DataFrame, path: str) -> None:
     for i, (prompt, rm) in enumerate(zip(df["prompt"], df["reward_model"])):
         msgs = list(prompt) if prompt is not None else None
@@ -79,6 +88,7 @@ def read_verl_parquet(path: str | Path, split: str) -> pd.DataFrame:
     df = pd.read_parquet(p)
     if not len(df):
         raise ValueError(f"{p}: no rows")
+    _check_row_types(df, str(p))  # before normalising: a malformed message is a clear error, not a KeyError
     df["prompt"] = [[{"role": str(m["role"]), "content": str(m["content"])} for m in msgs] if msgs is not None
                     else None for msgs in df["prompt"]]
     _check_row_types(df, str(p))

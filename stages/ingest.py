@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stages.data import generate_arith_task, load_prompt_rows
+from stages.data import generate_synthetic_task, load_prompt_rows
 from stages.rewards import reward_fn_for
 
 
@@ -13,8 +13,9 @@ def build_prompt_rows(cfg) -> pd.DataFrame:
     """cfg: RunConfig. Generates the synthetic task under output_dir/data when no files are given."""
     train, val = list(cfg.data.train_files), list(cfg.data.val_files)
     if not train:
-        out = Path(cfg.trainer.output_dir) / "data" / f"arith_seed{cfg.data.synthetic.seed}"
-        gen_train, gen_val = generate_arith_task(out, cfg.data.synthetic)
+        prefix = "arith" if cfg.data.synthetic.task == "addition" else cfg.data.synthetic.task
+        out = Path(cfg.trainer.output_dir) / "data" / f"{prefix}_seed{cfg.data.synthetic.seed}"
+        gen_train, gen_val = generate_synthetic_task(out, cfg.data.synthetic)
         train, val = [gen_train], val or [gen_val]
     df = load_prompt_rows(train, val)
     for ds in df["data_source"].unique():  # an unknown data_source fails here, before any generation

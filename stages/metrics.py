@@ -19,6 +19,24 @@ def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response
     m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
     groups = scored.groupby("group_id")["reward"]
     m["critic/score/group_all_equal_frac"] = float((groups.nunique() == 1).mean())
+    return m | algorithm_metrics(scored, advantages)
+
+
+def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
+    """KL-in-reward (actor/reward_kl_penalty[_coeff], verl), DAPO dynamic sampling (train/num_gen_batches, verl;
+    generated vs kept groups) and overlong shaping metrics, from the columns the stages stored."""
+    m: dict[str, float] = {}
+    if "kl_coef" in advantages and np.isfinite(advantages["kl_coef"].to_numpy(dtype=np.float64)).all():
+        m["actor/reward_kl_penalty"] = float(advantages["reward_kl"].mean())
+        m["actor/reward_kl_penalty_coeff"] = float(advantages["kl_coef"].iloc[0])
+    if "gen_round" in scored:
+        m["train/num_gen_batches"] = float(scored["gen_round"].nunique())
+        m["train/num_groups_generated"] = float(scored["group_id"].nunique())
+        m["train/num_groups_kept"] = float(advantages["group_id"].nunique())
+    if "overlong_penalty" in scored:
+        penalty = scored["overlong_penalty"].to_numpy(dtype=np.float64)
+        m["reward/overlong_penalty/mean"] = float(penalty.mean())
+        m["reward/overlong_penalized_frac"] = float((penalty < 0).mean())
     return m
 
 

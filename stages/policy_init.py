@@ -29,7 +29,9 @@ def create_initial_policy(model_cfg, train_prompts: pd.DataFrame, out_dir: str |
             meta |= {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1]}
         save_policy(model, tok, tmp)
     else:
-        src = Path(model_cfg.path)
+        from stages.smollm2 import resolve_model_path
+
+        src = Path(resolve_model_path(model_cfg.path))
         model, tok = load_policy(src, model_cfg.dtype)  # validates it loads before copying
         save_policy(model, tok, tmp)
     meta["num_parameters"] = int(sum(p.numel() for p in model.parameters()))

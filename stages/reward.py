@@ -3,26 +3,37 @@
 Runs as parallel Ray Data tasks. A reward function that raises, or returns a non-finite value,
 is a clear error naming the rollout (reward.on_error='raise'), or flags the row with
 reward_error and reward NaN so downstream checks can gate it (reward.on_error='flag').
+
+DAPO's soft overlong punishment (reward.overlong_buffer, stages.algos.dapo.overlong_reward_penalty)
+is added to the task score of training rollouts: `score` keeps the task score, `overlong_penalty`
+the shaping term and `reward` = score + overlong_penalty. Validation scores the task alone.
 """
 from __future__ import annotations
 
 import math
 
 import pandas as pd
+import torch
 
+from stages.algos.dapo import overlong_reward_penalty
 from stages.rewards import reward_fn_for
-from stages.ray_data import map_with_actor_pool
+from stages.ray_data import map_with_tasks
 
 
 class RewardStage:
-    """ds.map_batches(RewardStage, fn_constructor_kwargs={"cfg": reward_cfg}) or called directly."""
+    """ds.map_batches(RewardStage, fn_constructor_kwargs={"cfg": reward_cfg}) or called directly.
 
-    def __init__(self, format_score: float = 0.0, score: float = 1.0, on_error: str = "raise") -> None:
+    overlong: {"len", "penalty_factor", "max_response_length"} to shape rewards, or None.
+    """
+
+    def __init__(self, format_score: float = 0.0, score: float = 1.0, on_error: str = "raise",
+                 overlong: dict | None = None) -> None:
         self.kw = {"format_score": format_score, "score": score}
         self.on_error = on_error
+        self.overlong = overlong
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        rewards, names, errors = [], [], []
+        scores, names, errors = [], [], []
         for rid, ds, text, gt in zip(batch["rollout_id"], batch["data_source"], batch["response_text"],
                                      batch["ground_truth"]):
             fn = reward_fn_for(ds)
@@ -36,19 +47,34 @@ class RewardStage:
                     raise ValueError(f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
                                      f"{rid}: {exc}. Fix the function or set reward.on_error='flag'.") from exc
                 value, err = float("nan"), f"{type(exc).__name__}: {exc}"
-            rewards.append(value)
+            scores.append(value)
             names.append(f"{fn.__module__}.{fn.__name__}")
             errors.append(err)
-        return batch.assign(reward=rewards, reward_fn=names, reward_error=errors)
+        penalty = [0.0] * len(batch)
+        if self.overlong is not None and len(batch):
+            lengths = torch.tensor(batch["response_length"].to_numpy(dtype="int64"))
+            penalty = overlong_reward_penalty(lengths, self.overlong["max_response_length"], self.overlong["len"],
+                                              self.overlong["penalty_factor"]).double().tolist()
+        rewards = [s + p for s, p in zip(scores, penalty)]
+        return batch.assign(reward=rewards, reward_fn=names, reward_error=errors, score=scores,
+                            overlong_penalty=penalty)
 
 
-def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True) -> pd.DataFrame:
-    """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error."""
+def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True,
+                   max_response_length: int | None = None) -> pd.DataFrame:
+    """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
+    score and overlong_penalty. Overlong shaping applies when reward_cfg.overlong_buffer.enable and
+    max_response_length (the generation limit, data.max_response_length) is given."""
     for ds in rollouts["data_source"].unique():  # unknown data_source: fail before any work
         reward_fn_for(ds)
-    kwargs = {"format_score": reward_cfg.format_score, "score": reward_cfg.score, "on_error": reward_cfg.on_error}
+    ob = getattr(reward_cfg, "overlong_buffer", None)
+    overlong = None
+    if ob is not None and ob.enable and max_response_length is not None:
+        overlong = {"len": ob.len, "penalty_factor": ob.penalty_factor, "max_response_length": max_response_length}
+    kwargs = {"format_score": reward_cfg.format_score, "score": reward_cfg.score, "on_error": reward_cfg.on_error,
+              "overlong": overlong}
     if not use_ray:
         return RewardStage(**kwargs)(rollouts)
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))
-    out = map_with_actor_pool(rollouts, RewardStage, kwargs, workers=parts, cpus_per_actor=0.5)
+    out = map_with_tasks(rollouts, RewardStage(**kwargs), parts=parts, num_cpus=0.5)
     return out.sort_values("rollout_id").reset_index(drop=True)

@@ -21,6 +21,11 @@ def connect(tables_root: str | Path, versions: dict[str, int] | None = None):
         dt = DeltaTable(str(path), version=versions.pop(path.name, None))
         con.register(path.name, dt.to_pyarrow_dataset())
         found.append(path.name)
+    for key in [k for k in versions if ":" in k]:  # ALIAS:TABLE=N adds view ALIAS = TABLE at version N
+        alias, _, name = key.partition(":")
+        if name not in found:
+            raise ValueError(f"--version {key}={versions[key]}: no table '{name}'; tables: {found}")
+        con.register(alias, DeltaTable(str(root / name), version=versions.pop(key)).to_pyarrow_dataset())
     if versions:
         raise ValueError(f"--version names unknown tables {sorted(versions)}; tables: {found}")
     return con

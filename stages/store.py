@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from stages.tables import SCHEMAS
+from stages.tables import COLUMN_DEFAULTS, SCHEMAS
 
 LINEAGE_PREFIX = "rlake."
 
@@ -47,6 +47,8 @@ def table_exists(uri: str) -> bool:
 def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
     """Cast a DataFrame to the table's declared schema (fails loudly on a missing column)."""
     schema = SCHEMAS[name]
+    fill = {k: [v] * len(df) for k, v in COLUMN_DEFAULTS.items() if k in schema.names and k not in df.columns}
+    df = df.assign(**fill) if fill else df
     missing = [f.name for f in schema if f.name not in df.columns]
     if missing:
         raise ValueError(f"table '{name}': DataFrame lacks columns {missing}; has {list(df.columns)}")

@@ -34,12 +34,17 @@ ROLLOUT_FIELDS = [
     pa.field("response_length", pa.int32()),
     pa.field("finish_reason", pa.string()),
     pa.field("engine", pa.string()),
+    # how the engine got this policy's weights: build (new engine), in_place (weights reloaded), cached
+    pa.field("engine_sync", pa.string()),
+    pa.field("gen_round", pa.int32()),  # DAPO dynamic sampling: generation round (0 without it)
 ]
 
 REWARD_FIELDS = [
     pa.field("reward", pa.float64()),
     pa.field("reward_fn", pa.string()),
     pa.field("reward_error", pa.string()),
+    pa.field("score", pa.float64()),  # task score before shaping; reward = score + overlong_penalty
+    pa.field("overlong_penalty", pa.float64()),
 ]
 
 SCHEMAS: dict[str, pa.Schema] = {
@@ -49,7 +54,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         pa.field("prompt_id", pa.int64(), nullable=False), pa.field("epoch", pa.int64()),
         pa.field("position", pa.int64()), pa.field("data_source", pa.string()),
         pa.field("ground_truth", pa.string()), pa.field("prompt_text", pa.string()),
-        pa.field("prompt_token_ids", _TOKENS)]),
+        pa.field("prompt_token_ids", _TOKENS), pa.field("gen_round", pa.int32())]),
     "rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS),
     "scored_rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS + REWARD_FIELDS),
     "advantages": pa.schema(_KEYS + [
@@ -57,9 +62,24 @@ SCHEMAS: dict[str, pa.Schema] = {
         pa.field("policy_version", pa.int64()),
         pa.field("prompt_token_ids", _TOKENS), pa.field("response_token_ids", _TOKENS),
         pa.field("reward", pa.float64()), pa.field("advantage", pa.float32()),
-        pa.field("token_advantages", pa.list_(pa.float32())), pa.field("adv_estimator", pa.string())]),
+        pa.field("token_advantages", pa.list_(pa.float32())), pa.field("adv_estimator", pa.string()),
+        # reference log-probs (empty lists unless KL is used), the KL-in-reward beta and per-rollout KL
+        pa.field("ref_logprobs", pa.list_(pa.float32())), pa.field("kl_coef", pa.float64()),
+        pa.field("reward_kl", pa.float64()),
+        # GAE returns per response token (advantages + values, PPO with a critic); empty for others
+        pa.field("returns", pa.list_(pa.float32()))]),
+    # per-token critic values of each rollout's response (PPO with GAE), by critic version == iteration
+    "values": pa.schema(_KEYS + [
+        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("critic_version", pa.int64()),
+        pa.field("values", pa.list_(pa.float32()))]),
+    # per-token log-probs of each rollout's response under the reference policy (version 0)
+    "ref_logprobs": pa.schema(_KEYS + [
+        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("policy_version", pa.int64()),
+        pa.field("ref_policy_version", pa.int64()), pa.field("ref_logprobs", pa.list_(pa.float32()))]),
     "iteration_metrics": pa.schema(_KEYS + [
         pa.field("policy_version", pa.int64()), pa.field("metric", pa.string(), nullable=False),
         pa.field("value", pa.float64())]),
 }
 PROMPTS_ITERATION = -1
+COLUMN_DEFAULTS: dict[str, object] = {"gen_round": 0, "ref_logprobs": [], "kl_coef": None, "reward_kl": None, "returns": []}
+"""Values of columns a writer may omit (added by algorithms that not every run uses): store.to_arrow fills them."""

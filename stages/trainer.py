@@ -1,8 +1,8 @@
 """Torch policy-optimization backend: PPO-clip epochs over mini-batches with micro-batch
 gradient accumulation, data parallel over a torch.distributed (gloo) group when one exists.
 
-Runs without Ray (unit tests call `ppo_update` directly); stages.update runs it in Ray Train
-workers. Old log-probs are recomputed by the policy before the first optimizer step (verl's
+Runs without Ray (unit tests call `ppo_update` directly); stages.update runs it on the run's
+persistent gloo worker group. Old log-probs are recomputed by the policy before the first optimizer step (verl's
 `compute_log_prob`), so the PPO ratio is exactly 1 at the first micro-batch.
 """
 from __future__ import annotations

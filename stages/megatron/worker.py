@@ -1,7 +1,7 @@
 """Megatron-Core policy-update worker: the `actor.strategy='megatron'` twin of
 `stages.update.train_loop_per_worker`, taking the same `job` dict and writing the same outputs.
 
-Each Ray Train (or torch.multiprocessing) worker is one rank of a TP x PP x DP grid
+Each worker of the persistent gloo group (or a torch.multiprocessing process) is one rank of a TP x PP x DP grid
 (megatron's rank order: TP fastest, then DP, then PP). Every rank loads the HF checkpoint,
 keeps its shard (`convert.hf_to_megatron`), reads its DP rank's rows, runs
 `ppo.megatron_ppo_update`, and rank 0 gathers the model-parallel shards of DP replica 0 back into
@@ -116,7 +116,7 @@ def _load(job: dict, actor_cfg, tp: int, pp: int):
 
 
 def train_loop_per_worker(job: dict) -> None:
-    """Ray Train entry point (also callable with world size 1 and no process group)."""
+    """Worker-group entry point (also callable with world size 1 and no process group)."""
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
 

@@ -1,4 +1,4 @@
-"""Two GRPO iterations of the real pipeline (Dagster in-process, local Ray, Delta, MLflow sqlite, Ray Train)."""
+"""Two GRPO iterations of the real pipeline (Dagster in-process, local Ray, Delta, MLflow sqlite, gloo worker group)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""`rlake train` end to end with actor.strategy=megatron (TP=2 over gloo, in Ray Train workers)."""
+"""`rlake train` end to end with actor.strategy=megatron (TP=2 over gloo, on the persistent gloo worker group)."""
 from __future__ import annotations
 
 import os

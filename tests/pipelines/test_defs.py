@@ -13,7 +13,7 @@ def test_definitions_load_and_jobs_resolve() -> None:
         assert defs.resolve_job_def(name).name == name
     assert {a.key.to_user_string() for a in ASSETS} == {
         "prompts", "initial_policy", "prompt_batch", "rollouts", "scored_rollouts", "advantages",
-        "policy_checkpoint", "iteration_metrics"}
+        "policy_checkpoint", "iteration_metrics", "values", "critic_checkpoint", "ref_logprobs"}
     assert set(defs.resources) == {"run_config", "ray", "rollout_store", "model_store", "tracker"}
 
 
@@ -22,11 +22,20 @@ def test_asset_graph_is_the_iteration_dag() -> None:
     up = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()}
     assert up["rollouts"] == {"prompt_batch"}
     assert up["scored_rollouts"] == {"rollouts"}
-    assert up["advantages"] == {"scored_rollouts"}
+    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs"}
+    assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}
-    assert up["iteration_metrics"] == {"policy_checkpoint"}
+    assert up["iteration_metrics"] == {"policy_checkpoint", "critic_checkpoint"}
     checks = {c.name for c in graph.asset_check_keys}
     assert {"responses_nonempty", "rewards_finite", "advantages_finite"} <= checks
+
+
+def test_iteration_job_runs_the_critic_only_for_gae() -> None:
+    def selected(*overrides: str) -> set[str]:
+        job = build_definitions("configs/ci_tiny.yaml", list(overrides)).resolve_job_def(ITERATION_JOB)
+        return {k.to_user_string() for k in job.asset_layer.selected_asset_keys}
+    assert not {"values", "critic_checkpoint"} & selected()
+    assert {"values", "critic_checkpoint"} <= selected("algorithm.adv_estimator=gae")
 
 
 def test_build_definitions_takes_a_config(tmp_path) -> None:

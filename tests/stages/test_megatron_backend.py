@@ -224,9 +224,9 @@ def test_num_workers_not_a_grid_is_rejected() -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_train_dispatch_tp2(policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
-    """stages.update.run_policy_update dispatches strategy='megatron' to this backend in Ray
-    Train workers (TorchTrainer, gloo) and returns rank 0's metrics."""
+def test_worker_group_dispatch_tp2(policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
+    """stages.update.run_policy_update dispatches strategy='megatron' to this backend on
+    the persistent gloo worker group and returns rank 0's metrics."""
     import ray
 
     from stages.update import run_policy_update

@@ -1,4 +1,4 @@
-"""Stages on a real local Ray: rollouts through a Ray Data actor pool, the update through Ray Train (gloo)."""
+"""Stages on a real local Ray: rollouts on the persistent engine hosts, the update on the gloo worker group."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ def test_shard_for_rank_splits_every_mini_batch() -> None:
     assert shard_for_rank(8, 4, 0, 2) == [0, 1, 4, 5] and shard_for_rank(8, 4, 1, 2) == [2, 3, 6, 7]
 
 
-def test_rollouts_through_ray_data(ray_session, tiny_checkpoint) -> None:
+def test_rollouts_on_engine_hosts(ray_session, tiny_checkpoint) -> None:
     _, tok = load_policy(tiny_checkpoint)
     import pandas as pd
     prompts = [encode_chat(tok, [{"role": "user", "content": f"{i}+1="}])[0] for i in range(6)]
@@ -43,7 +43,7 @@ def test_rollouts_through_ray_data(ray_session, tiny_checkpoint) -> None:
     assert again["prompt_id"].tolist() == out["prompt_id"].tolist()
 
 
-def test_ray_train_two_workers_equal_single_process(ray_session, tiny_checkpoint, tmp_path) -> None:
+def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp_path) -> None:
     """DDP over 2 gloo workers == one process on the whole batch (one mini-batch, seq-mean-token-mean)."""
     df = make_rows(16)
     uri = str(tmp_path / "advantages")

@@ -1,0 +1,121 @@
+"""Assets read upstream tables at the versions Dagster recorded; re-scoring one past iteration writes one
+new scored_rollouts version only; the ppo_kl_within_limit check blocks an update that moved too far.
+
+One real 2-iteration ci_tiny run (Dagster in-process, local Ray, Delta, MLflow sqlite), then single-asset
+re-materializations of partition 0 with dg.materialize on the same Dagster instance."""
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from configs.schema import load_config
+from stages import store
+from stages.sql import query
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+RUN = "rv-run"
+CONFIG = "configs/ci_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, ray_session):
+    from pipelines.runner import run_training
+
+    out = tmp_path_factory.mktemp("recorded")
+    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
+    run_training(CONFIG, [f"trainer.output_dir={out}"], run_id=RUN, log=lambda s: None)
+    yield out, dg.DagsterInstance.get()
+    os.environ.pop("DAGSTER_HOME", None)
+
+
+def _materialize(out, instance, asset: str | list[str], overrides: list[str], *, run_id: str = RUN, raise_on_error: bool = True):
+    from pipelines.definitions import ASSETS
+    from pipelines.resources import build_resources
+
+    resources = build_resources(CONFIG, [f"trainer.output_dir={out}", f"trainer.run_id={run_id}", *overrides])
+    return dg.materialize(ASSETS, selection=[asset] if isinstance(asset, str) else asset, partition_key="0", instance=instance, resources=resources,
+                          raise_on_error=raise_on_error)
+
+
+def _uri(out, table: str) -> str:
+    return str(out / "tables" / table)
+
+
+def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -> None:
+    out, instance = run
+    (scored_commit,) = store.commit_lineage(_uri(out, "scored_rollouts"), run_id=RUN, iteration=0)
+    recorded = scored_commit["upstream"]["rollouts"]
+    assert scored_commit["upstream_version_source"] == '{"rollouts": "dagster"}'
+    old0 = store.read_partition(_uri(out, "scored_rollouts"), RUN, 0).sort_values("rollout_id").reset_index(drop=True)
+    old1 = store.read_partition(_uri(out, "scored_rollouts"), RUN, 1).sort_values("rollout_id").reset_index(drop=True)
+    # a newer rollouts version written outside Dagster: the re-score must not read it
+    rollouts = store.read_partition(_uri(out, "rollouts"), RUN, 0)
+    newer = store.write_partition(_uri(out, "rollouts"), "rollouts", rollouts.assign(response_text="garbage"),
+                                  run_id=RUN, iteration=0, lineage={"stage": "outside"})
+    assert newer > recorded
+    before = store.table_version(_uri(out, "scored_rollouts"))
+
+    _materialize(out, instance, "scored_rollouts", ["reward.score=2.0", "reward.format_score=0.5"])
+
+    assert store.table_version(_uri(out, "rollouts")) == newer  # re-scoring wrote no rollouts
+    assert store.table_version(_uri(out, "scored_rollouts")) == before + 1
+    new_commit = store.commit_lineage(_uri(out, "scored_rollouts"), run_id=RUN, iteration=0)[0]
+    assert new_commit["version"] == before + 1 and new_commit["upstream"] == {"rollouts": recorded}
+    new0 = store.read_partition(_uri(out, "scored_rollouts"), RUN, 0).sort_values("rollout_id").reset_index(drop=True)
+    assert (new0["response_text"] == old0["response_text"]).all()  # the recorded rollouts, not "garbage"
+    # reward 1 -> 2 for correct answers; 0 -> 0.5 for well-formed wrong ones (the old run had format_score 0)
+    old_cfg = load_config(CONFIG).reward  # correct: score -> 2.0; well-formed but wrong: format_score -> 0.5
+    mapping = {old_cfg.score: 2.0, old_cfg.format_score: 0.5, 0.0: 0.0}
+    assert set(old0["reward"]) <= set(mapping) and (old0["reward"] == old_cfg.score).any()
+    pd.testing.assert_series_equal(new0["reward"], old0["reward"].map(mapping), check_names=False)
+    # iteration 1 untouched: same rows, same commits
+    now1 = store.read_partition(_uri(out, "scored_rollouts"), RUN, 1).sort_values("rollout_id").reset_index(drop=True)
+    pd.testing.assert_frame_equal(now1, old1)
+    assert len(store.commit_lineage(_uri(out, "scored_rollouts"), run_id=RUN, iteration=1)) == 1
+    # time travel still sees the old scores at the old version
+    at_old = store.read_partition(_uri(out, "scored_rollouts"), RUN, 0, version=scored_commit["version"])
+    assert sorted(at_old["reward"]) == sorted(old0["reward"])
+    changed = query(out / "tables", "SELECT s.rollout_id, b.reward AS before, s.reward AS after FROM scored_rollouts s "
+                                    "JOIN old b USING (run_id, iteration, rollout_id) WHERE s.reward <> b.reward "
+                                    "ORDER BY s.rollout_id", {"old:scored_rollouts": scored_commit["version"]})
+    assert changed["rollout_id"].tolist() == old0.loc[old0["reward"] != 0.0, "rollout_id"].tolist()
+
+    # recompute advantages downstream: it reads the re-scored version the re-materialization recorded
+    _materialize(out, instance, "advantages", ["reward.score=2.0", "reward.format_score=0.5"])
+    adv_commit = store.commit_lineage(_uri(out, "advantages"), run_id=RUN, iteration=0)[0]
+    assert adv_commit["upstream"] == {"scored_rollouts": before + 1}
+    adv = store.read_partition(_uri(out, "advantages"), RUN, 0)
+    assert set(adv["reward"]) <= {0.0, 0.5, 2.0}
+
+
+def test_table_written_outside_dagster_is_read_at_newest_and_says_so(run) -> None:
+    out, instance = run
+    rows = store.read_partition(_uri(out, "rollouts"), RUN, 1)
+    newest = store.write_partition(_uri(out, "rollouts"), "rollouts", rows, run_id="outside", iteration=0,
+                                   lineage={"stage": "outside"})
+    # Dagster has materializations of rollouts partition 0, but none of them wrote run "outside"
+    _materialize(out, instance, "scored_rollouts", [], run_id="outside")
+    (commit,) = store.commit_lineage(_uri(out, "scored_rollouts"), run_id="outside", iteration=0)
+    assert commit["upstream"] == {"rollouts": newest}
+    assert commit["upstream_version_source"] == '{"rollouts": "newest"}'
+
+
+def test_ppo_kl_above_limit_blocks_the_iteration(run) -> None:
+    out, instance = run
+    metrics_before = store.table_version(_uri(out, "iteration_metrics"))
+    result = _materialize(out, instance, ["policy_checkpoint", "iteration_metrics"], ["trainer.max_ppo_kl=1e-12"],
+                          raise_on_error=False)
+    assert not result.success  # the blocking check failed: iteration_metrics (and so the next iteration) never ran
+    assert store.table_version(_uri(out, "iteration_metrics")) == metrics_before
+    (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    assert check.check_name == "ppo_kl_within_limit" and not check.passed
+    message = check.metadata["message"].value
+    assert "trainer.max_ppo_kl = 1e-12" in message and "lower actor.optim.lr" in message
+    assert abs(check.metadata["ppo_kl"].value) > 1e-12
+    # the training run itself (no limit) passed the check
+    key = dg.AssetCheckKey(dg.AssetKey("policy_checkpoint"), "ppo_kl_within_limit")
+    statuses = [r.status.value for r in instance.event_log_storage.get_asset_check_execution_history(key, limit=10)]
+    assert statuses == ["FAILED", "SUCCEEDED", "SUCCEEDED"]  # newest first: this test, iterations 1 and 0
