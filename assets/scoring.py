@@ -6,7 +6,7 @@ import numpy as np
 from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_recorded, timed
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from assets.rollout import rollouts
-from stages.advantage import compute_advantage_table, kl_coef_for_iteration, uses_adaptive_kl
+from stages.advantage import compute_advantage_table, drop_flagged_rollouts, kl_coef_for_iteration, uses_adaptive_kl
 from stages.dynamic_sampling import select_training_groups
 from stages.ref_logprobs import needs_ref_logprobs
 from stages.reward import score_rollouts
@@ -25,10 +25,13 @@ def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigReso
     v = rollout_store.write("scored_rollouts", scored, run_id=cfg.run_id, iteration=it,
                             lineage=lineage(cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
     bad = int((~np.isfinite(scored["reward"])).sum())
+    flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
     return dg.MaterializeResult(
         metadata={"delta_version": v, "reward_mean": float(np.nanmean(scored["reward"])), "rollouts": len(scored),
                   "reward_fns": sorted(scored["reward_fn"].unique())},
-        check_results=[dg.AssetCheckResult(check_name="rewards_finite", passed=bad == 0, metadata={"non_finite": bad})])
+        check_results=[dg.AssetCheckResult(check_name="rewards_finite", passed=bad == 0 or (flag and bad < len(scored)),
+                                           severity=dg.AssetCheckSeverity.WARN if flag else dg.AssetCheckSeverity.ERROR,
+                                           metadata={"non_finite": bad, "on_error": cfg.reward.on_error})])
 
 
 @dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts, dg.AssetKey("values"),
@@ -44,6 +47,9 @@ def advantages(context: dg.AssetExecutionContext, run_config: RunConfigResource,
     ref, ref_version = read_recorded(context, rollout_store, "ref_logprobs", cfg.run_id, it) if needs_ref_logprobs(cfg) else (None, None)
     # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
     prev, prev_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it - 1) if uses_adaptive_kl(cfg) and it > 0 else (None, None)
+    if cfg.reward.on_error == "flag":
+        scored, flagged = drop_flagged_rollouts(scored)
+        context.log.info(f"dropped {flagged} rollouts flagged by the reward stage (reward.on_error=flag)")
     with timed() as t:
         kept = select_training_groups(scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size,
                                       correct_score=cfg.reward.score)  # DAPO: only groups with reward spread

@@ -16,6 +16,13 @@ from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
 
 
+def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """(rows with a finite reward, how many were dropped): reward.on_error='flag' trains on the
+    rest of the batch; the flagged rows stay in scored_rollouts with their reward_error."""
+    ok = np.isfinite(scored["reward"].to_numpy(dtype=np.float64))
+    return scored[ok].reset_index(drop=True), int((~ok).sum())
+
+
 def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg, values: pd.DataFrame | None = None, *,
                             ref: pd.DataFrame | None = None, kl_coef: float | None = None) -> pd.DataFrame:
     """Rows of the advantages table for one iteration's scored rollouts (`values`: the iteration's

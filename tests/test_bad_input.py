@@ -178,11 +178,11 @@ def test_reward_that_raises_stops_the_run_naming_the_rollout(broken_reward) -> N
         score_rollouts(_rollouts(["ok", "nan"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)
 
 
-def test_reward_flagged_rows_are_kept_and_training_refuses_them(broken_reward) -> None:
-    """on_error=flag: every row stays, the bad ones carry reward NaN + reward_error (stored in scored_rollouts,
-    where the blocking rewards_finite check fails), and the advantage stage refuses to train on them."""
+def test_reward_flagged_rows_are_kept_and_training_continues_without_them(broken_reward) -> None:
+    """on_error=flag: every row stays in scored_rollouts, the bad ones with reward NaN + reward_error; the
+    advantages asset drops them and trains on the rest (the advantage math itself refuses NaN rewards)."""
     from configs.schema import AlgorithmConfig, RewardConfig
-    from stages.advantage import compute_advantage_table
+    from stages.advantage import compute_advantage_table, drop_flagged_rollouts
     from stages.reward import score_rollouts
 
     scored = score_rollouts(_rollouts(["ok", "boom", "nan", "ok"], broken_reward), RewardConfig(on_error="flag"),
@@ -192,6 +192,9 @@ def test_reward_flagged_rows_are_kept_and_training_refuses_them(broken_reward) -
     assert "non-finite" in scored["reward_error"].iloc[2] and scored["reward"].iloc[1:3].isna().all()
     with pytest.raises(ValueError, match=r"non-finite rewards for rollouts \[1, 2\] \(see reward_error in scored_rollouts\)"):
         compute_advantage_table(scored, AlgorithmConfig())
+    kept, dropped = drop_flagged_rollouts(scored)
+    assert dropped == 2 and kept["rollout_id"].tolist() == [0, 3]
+    assert len(compute_advantage_table(kept, AlgorithmConfig())) == 2
 
 
 def test_export_of_a_missing_checkpoint(tmp_path, capsys) -> None:
