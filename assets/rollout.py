@@ -34,7 +34,8 @@ def prompt_batch(context: dg.AssetExecutionContext, run_config: RunConfigResourc
           check_specs=[dg.AssetCheckSpec("responses_nonempty", asset="rollouts", blocking=True)])
 def rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
              model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
-    """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs."""
+    """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs
+    (ReMax: plus one greedy baseline response per prompt, is_baseline)."""
     cfg, it = run_config.load(), int(context.partition_key)
     batch, version = read_recorded(context, rollout_store, "prompt_batches", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"rollouts of iteration {it}")
@@ -51,6 +52,7 @@ def rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource, r
                   "response_tokens": tokens,
                   "tokens_per_s": tokens / max(t["s"], 1e-9), "generate_s": t["s"],
                   "gen_rounds": int(out["gen_round"].nunique()),
+                  "baseline_rollouts": int(out["is_baseline"].sum()) if "is_baseline" in out else 0,  # ReMax greedy rows
                   "samples": dg.MetadataValue.md(_sample_md(out))},
         check_results=[dg.AssetCheckResult(check_name="responses_nonempty", passed=empty == 0,
                                            metadata={"empty_responses": empty})])

@@ -125,7 +125,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", engine, "--model", model_dir,
                    "--prompts", str(n_prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
                    "--threads", str(args.threads), "--repeats", str(args.repeats)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 print(f"{label} / {engine} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)

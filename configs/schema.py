@@ -36,6 +36,9 @@ class SyntheticTaskConfig(_Strict):
     """Operators used in the problems."""
     max_steps: int = 2
     """word_problems: arithmetic steps per problem are drawn from 1..max_steps (1 or 2)."""
+    fewshot: int = 0
+    """word_problems: worked examples ("Question: ... Answer: ... #### N") put before each question, as
+    GSM8K few-shot prompting does; small models need them to use the "####" answer format."""
     seed: int = 0
     """Generator seed: the same seed writes the same files."""
 
@@ -197,9 +200,10 @@ class FilterGroupsConfig(_Strict):
 
 class AlgorithmConfig(_Strict):
     adv_estimator: Literal["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "gae"] = "grpo"
+                           "gae", "remax"] = "grpo"
     """verl's estimator names (stages/algos/advantages.py); gae is PPO with a critic (the `critic`
-    section); remax needs a greedy-baseline stage that is not wired yet."""
+    section); remax also generates one greedy response per prompt (stored as is_baseline rollouts) whose
+    reward is the baseline, so any rollout.n >= 1 works and norm_adv_by_std_in_grpo is ignored."""
     norm_adv_by_std_in_grpo: bool = True
     """False gives Dr.GRPO's unscaled advantage."""
     gamma: float = 1.0

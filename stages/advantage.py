@@ -4,6 +4,9 @@ The outcome reward sits on each response's last token; `algorithm.adv_estimator`
 token-level advantages (stages.algos.advantages.compute_advantages). The table keeps the
 per-token values and, in `advantage`, the first token's (the per-rollout scalar for outcome
 estimators such as GRPO and RLOO).
+
+ReMax's greedy rows (`is_baseline` in scored_rollouts) are never training samples: every estimator
+drops them, and remax takes each group's baseline reward from its one greedy row (missing: an error).
 """
 from __future__ import annotations
 
@@ -18,15 +21,47 @@ from stages.algos.kl_ctrl import make_kl_controller
 
 def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """(rows with a finite reward, how many were dropped): reward.on_error='flag' trains on the
-    rest of the batch; the flagged rows stay in scored_rollouts with their reward_error."""
+    rest of the batch; the flagged rows stay in scored_rollouts with their reward_error. A group whose
+    ReMax baseline row is flagged has no baseline: all its rows are dropped."""
     ok = np.isfinite(scored["reward"].to_numpy(dtype=np.float64))
+    if "is_baseline" in scored:
+        lost = set(scored.loc[~ok & scored["is_baseline"].astype(bool).to_numpy(), "group_id"])
+        ok &= ~scored["group_id"].isin(lost).to_numpy()
     return scored[ok].reset_index(drop=True), int((~ok).sum())
+
+
+def split_baseline_rows(scored: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(training samples, ReMax greedy baseline rows) of scored rollouts; no is_baseline column = no baselines."""
+    base = scored["is_baseline"].astype(bool).to_numpy() if "is_baseline" in scored else np.zeros(len(scored), bool)
+    return scored[~base].reset_index(drop=True), scored[base].reset_index(drop=True)
+
+
+def remax_baseline_rewards(sampled: pd.DataFrame, baselines: pd.DataFrame) -> torch.Tensor:
+    """(N,) the reward of each sampled rollout's group's greedy baseline row (exactly one per group)."""
+    counts = baselines["group_id"].value_counts()
+    twice = counts[counts > 1].index.tolist()[:10]
+    missing = sorted(set(sampled["group_id"]) - set(baselines["group_id"]))[:10]
+    bad = baselines.loc[~np.isfinite(baselines["reward"].to_numpy(dtype=np.float64)), "group_id"].tolist()[:10]
+    if missing or twice or bad:
+        found = "; ".join(f"groups {g} {what}" for g, what in ((missing, "have none"), (twice, "have several"),
+                                                               (bad, "have a non-finite baseline reward")) if g)
+        raise ValueError(
+            f"adv_estimator='remax' needs exactly one greedy baseline row (is_baseline) with a finite reward per "
+            f"group, because each sample's advantage is its reward minus its prompt's greedy reward; {found}. "
+            "Re-materialize rollouts and scored_rollouts of this iteration with adv_estimator='remax' (rollouts "
+            "made by another estimator have no baselines), fix the reward function, or pick another adv_estimator")
+    by_group = dict(zip(baselines["group_id"].tolist(), baselines["reward"].tolist()))
+    return torch.tensor([by_group[g] for g in sampled["group_id"].tolist()], dtype=torch.float32)
 
 
 def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg, values: pd.DataFrame | None = None, *,
                             ref: pd.DataFrame | None = None, kl_coef: float | None = None) -> pd.DataFrame:
     """Rows of the advantages table for one iteration's scored rollouts (`values`: the iteration's
-    values table, rollout_id + per-token critic values; needed by adv_estimator='gae')."""
+    values table, rollout_id + per-token critic values; needed by adv_estimator='gae'). ReMax's greedy
+    baseline rows are left out of the table (and give remax its per-group baseline)."""
+    scored, baselines = split_baseline_rows(scored)
+    remax = algorithm_cfg.adv_estimator == "remax"
+    baseline_rewards = remax_baseline_rewards(scored, baselines) if remax else None
     rewards = scored["reward"].to_numpy(dtype=np.float64)
     if not np.isfinite(rewards).all():
         bad = scored.loc[~np.isfinite(rewards), "rollout_id"].tolist()[:10]
@@ -42,6 +77,7 @@ def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg, values: pd.Data
                                 values=critic_values(scored, values, width) if algorithm_cfg.adv_estimator == "gae" else None,
                                 lam=algorithm_cfg.lam,
                                 group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
+                                baseline_rewards=baseline_rewards,
                                 gamma=algorithm_cfg.gamma, norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo)
     token_adv = [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
     return pd.DataFrame({

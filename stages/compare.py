@@ -35,10 +35,13 @@ class Comparison:
 
 
 def best_direction(metric: str) -> str | None:
-    name = metric.lower()
-    if any(k in name for k in LOWER_IS_BETTER):
+    """'max' / 'min' / None by the metric's path segments (timings and fractions have no best)."""
+    parts = metric.lower().split("/")
+    if parts[0] == "timing_s" or parts[-1].endswith("_frac"):
+        return None
+    if any(k in p for p in parts for k in LOWER_IS_BETTER):
         return "min"
-    if any(k in name for k in HIGHER_IS_BETTER):
+    if any(p.rstrip("s") in HIGHER_IS_BETTER for p in parts):
         return "max"
     return None
 

@@ -8,6 +8,11 @@ train_batch_size groups with reward spread are kept, persisting every generated 
   the rollouts / scored_rollouts tables keep all generated rounds.
 - the advantage stage keeps the first train_batch_size passing groups (in round, then group order).
 
+ReMax (algorithm.adv_estimator='remax', Li et al. 2023, https://arxiv.org/abs/2310.10505) also lives
+here: after sampling, one greedy response per generated prompt with the same policy, stored in the
+rollouts table as `is_baseline` rows (sample_index -1); the filter and the advantage stage leave them out
+of the training set and use their reward as the group's baseline.
+
 Yu et al. 2025, https://arxiv.org/abs/2503.14476 (section 3.2); verl's filter_groups names.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from stages.advantage import split_baseline_rows
 from stages.algos.dapo import filter_groups_by_variance
 
 
@@ -42,6 +48,23 @@ def prompt_rounds(train_ids: list[int], first: list[tuple[int, int, int]], itera
     for k, p in enumerate(rest[:extra * gen_batch_size]):
         out.append((p, epoch, -1 - k, 1 + k // gen_batch_size))
     return out
+
+
+def add_greedy_baselines(sampled: pd.DataFrame, prompts: pd.DataFrame,
+                         generate_greedy: Callable[[pd.DataFrame], pd.DataFrame]) -> pd.DataFrame:
+    """`sampled` plus one greedy response per group it holds (ReMax), marked is_baseline with sample_index -1
+    and rollout_ids after the sampled ones (unique in the iteration); sampled rows get is_baseline False.
+
+    prompts: the prompt rows (one per group_id, as in the prompt batch); generate_greedy(prompts) -> one
+    rollout per prompt row, carrying its group_id."""
+    groups = prompts[prompts["group_id"].isin(set(sampled["group_id"]))].reset_index(drop=True)
+    greedy = generate_greedy(groups)
+    if len(greedy) != len(groups) or set(greedy["group_id"]) != set(groups["group_id"]):
+        raise ValueError(f"the greedy baseline pass returned {len(greedy)} rollouts for {len(groups)} prompts; "
+                         "ReMax needs exactly one per prompt (generate with n=1)")
+    start = int(sampled["rollout_id"].max()) + 1
+    greedy = greedy.assign(sample_index=-1, is_baseline=True, rollout_id=np.arange(start, start + len(greedy)))
+    return pd.concat([sampled.assign(is_baseline=False), greedy], ignore_index=True)
 
 
 def filter_metric(scored: pd.DataFrame, metric: str, correct_score: float) -> np.ndarray:
@@ -92,14 +115,14 @@ def select_training_groups(scored: pd.DataFrame, filter_cfg, *, need_groups: int
     """The rows of the first `need_groups` groups that pass the filter (all rows when it is off)."""
     if not filter_cfg.enable:
         return scored
-    groups = kept_group_ids(scored, filter_cfg.metric, correct_score)
+    groups = kept_group_ids(split_baseline_rows(scored)[0], filter_cfg.metric, correct_score)  # ReMax baselines: no vote
     if len(groups) < need_groups:
         raise ValueError(
             f"only {len(groups)} groups of the scored rollouts pass the filter_groups '{filter_cfg.metric}' filter, "
             f"fewer than data.train_batch_size ({need_groups}); this happens when rollouts were re-scored with "
             "another reward after generation stopped: re-materialize rollouts too, or disable filter_groups.")
     chosen = set(groups[:need_groups])
-    return scored[scored["group_id"].isin(chosen)].sort_values("rollout_id").reset_index(drop=True)
+    return scored[scored["group_id"].isin(chosen)].sort_values("rollout_id").reset_index(drop=True)  # + baselines
 
 
 def iteration_prompts(train_ids: list[int], iteration: int, cfg) -> list[tuple[int, int, int, int]]:
@@ -117,7 +140,8 @@ def iteration_prompts(train_ids: list[int], iteration: int, cfg) -> list[tuple[i
 
 
 def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg, iteration: int) -> pd.DataFrame:
-    """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full.
+    """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full; with
+    adv_estimator='remax' plus one greedy baseline row per generated prompt (add_greedy_baselines).
     batch: a prompt_batches partition with group_id and policy_version set."""
     from stages.reward import score_rollouts
     from stages.rollout import generate_rollouts
@@ -128,8 +152,14 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg, iteration: int)
 
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
-        return generate(batch, 0).assign(gen_round=0)
-    return generate_until_full(
-        batch, generate, lambda out: score_rollouts(out, cfg.reward, use_ray=False,
-                                                    max_response_length=cfg.data.max_response_length),
-        metric=fg.metric, correct_score=cfg.reward.score, need_groups=cfg.data.train_batch_size)
+        out = generate(batch, 0).assign(gen_round=0)
+    else:
+        out = generate_until_full(
+            batch, generate, lambda out: score_rollouts(out, cfg.reward, use_ray=False,
+                                                        max_response_length=cfg.data.max_response_length),
+            metric=fg.metric, correct_score=cfg.reward.score, need_groups=cfg.data.train_batch_size)
+    if cfg.algorithm.adv_estimator != "remax":
+        return out
+    return add_greedy_baselines(out, batch, lambda prompts: generate_rollouts(
+        prompts, model_dir=model_dir, rollout_cfg=cfg.rollout, max_tokens=cfg.data.max_response_length,
+        seed=cfg.rollout.seed + iteration, greedy=True, n=1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from stages.advantage import split_baseline_rows
+
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     values = np.asarray(values, dtype=np.float64)
@@ -12,6 +14,8 @@ def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
 
 
 def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response_length: int) -> dict[str, float]:
+    """Over the training samples only; ReMax's greedy baseline rows give remax/baseline_reward/mean."""
+    scored, baselines = split_baseline_rows(scored)
     lengths = scored["response_length"].to_numpy()
     m = {**_stats("critic/score", scored["reward"]), **_stats("critic/rewards", scored["reward"]),
          **_stats("critic/advantages", advantages["advantage"]), **_stats("response_length", lengths),
@@ -19,6 +23,8 @@ def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response
     m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
     groups = scored.groupby("group_id")["reward"]
     m["critic/score/group_all_equal_frac"] = float((groups.nunique() == 1).mean())
+    if len(baselines):
+        m["remax/baseline_reward/mean"] = float(baselines["reward"].mean())
     return m | algorithm_metrics(scored, advantages)
 
 

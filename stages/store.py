@@ -71,8 +71,10 @@ def write_partition(uri: str, name: str, df: pd.DataFrame, *, run_id: str, itera
         write_deltalake(uri, data, mode="append", partition_by=["run_id", "iteration"], commit_properties=props)
     else:
         safe_run = run_id.replace("'", "''")
+        # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
+        # instead of refusing a resumed run's writes
         write_deltalake(uri, data, mode="overwrite", predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
-                        commit_properties=props)
+                        commit_properties=props, schema_mode="merge")
     return DeltaTable(uri).version()
 
 

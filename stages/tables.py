@@ -37,6 +37,8 @@ ROLLOUT_FIELDS = [
     # how the engine got this policy's weights: build (new engine), in_place (weights reloaded), cached
     pa.field("engine_sync", pa.string()),
     pa.field("gen_round", pa.int32()),  # DAPO dynamic sampling: generation round (0 without it)
+    # ReMax: the greedy response of a prompt (sample_index -1), its reward is the group's baseline; never trained on
+    pa.field("is_baseline", pa.bool_()),
 ]
 
 REWARD_FIELDS = [
@@ -81,5 +83,5 @@ SCHEMAS: dict[str, pa.Schema] = {
         pa.field("value", pa.float64())]),
 }
 PROMPTS_ITERATION = -1
-COLUMN_DEFAULTS: dict[str, object] = {"gen_round": 0, "ref_logprobs": [], "kl_coef": None, "reward_kl": None, "returns": []}
+COLUMN_DEFAULTS: dict[str, object] = {"gen_round": 0, "is_baseline": False, "ref_logprobs": [], "kl_coef": None, "reward_kl": None, "returns": []}
 """Values of columns a writer may omit (added by algorithms that not every run uses): store.to_arrow fills them."""

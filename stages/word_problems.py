@@ -112,12 +112,18 @@ TEMPLATES: dict[str, Template] = {"shopping": shopping, "ages": ages, "rates": r
                                   "collections": collections, "sharing": sharing, "travel": travel}
 
 
+def fewshot_prefix(examples: list[tuple[str, str, str, int, int]]) -> str:
+    """Worked examples in GSM8K's few-shot layout: "Question: q\nAnswer: steps\n#### N\n\n" each."""
+    return "".join(f"Question: {q}\nAnswer: {sol}\n#### {ans}\n\n" for _, q, sol, ans, _ in examples)
+
+
 def make_word_problem_row(question: str, solution: str, answer: int, *, template: str, steps: int,
-                          split: str, index: int) -> dict:
-    """One verl-format row (as verl's gsm8k preprocessing writes it)."""
+                          split: str, index: int, prefix: str = "") -> dict:
+    """One verl-format row (as verl's gsm8k preprocessing writes it); `prefix`: few-shot examples."""
+    content = f"{prefix}Question: {question} {INSTRUCTION}" if prefix else f"{question} {INSTRUCTION}"
     return {
         "data_source": WORD_PROBLEM_SOURCE,
-        "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+        "prompt": [{"role": "user", "content": content}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"split": split, "index": index, "question": question, "answer": f"{solution}\n#### {answer}",
@@ -125,8 +131,9 @@ def make_word_problem_row(question: str, solution: str, answer: int, *, template
     }
 
 
-def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int) -> list[tuple[str, str, str, int, int]]:
-    """`count` distinct problems (template, question, solution, answer, steps), seeded."""
+def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int,
+                    exclude: frozenset[str] = frozenset()) -> list[tuple[str, str, str, int, int]]:
+    """`count` distinct problems (template, question, solution, answer, steps), seeded; none in `exclude`."""
     if max_steps not in (1, 2):
         raise ValueError(f"synthetic.max_steps ({max_steps}) must be 1 or 2 for task 'word_problems', because the "
                          "templates have one- and two-step variants; set max_steps to 1 or 2.")
@@ -135,7 +142,7 @@ def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int) -
                          "templates need room for distinct numbers; raise max_operand.")
     rng = random.Random(seed)
     names = sorted(TEMPLATES)
-    seen: set[str] = set()
+    seen: set[str] = set(exclude)
     out: list[tuple[str, str, str, int, int]] = []
     for _ in range(count * 50):
         if len(out) == count:
@@ -154,17 +161,25 @@ def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int) -
 def generate_word_problem_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     """Write train.parquet and val.parquet (no shared question); returns their paths.
 
-    cfg: configs.schema.SyntheticTaskConfig (num_train, num_val, max_operand, max_steps, seed).
+    cfg: configs.schema.SyntheticTaskConfig (num_train, num_val, max_operand, max_steps, fewshot, seed).
+    With fewshot > 0 every prompt starts with the same `fewshot` worked examples (drawn with seed + 10007,
+    never a train or val question), then "Question: <q> <instruction>".
     """
+    shots: list[tuple[str, str, str, int, int]] = []
+    for shot in sample_problems(50 * cfg.fewshot, max_number=cfg.max_operand, max_steps=cfg.max_steps,
+                                seed=cfg.seed + 10007) if cfg.fewshot > 0 else []:
+        if len(shots) < cfg.fewshot and (shot[0] not in {t for t, *_ in shots} or cfg.fewshot > len(TEMPLATES)):
+            shots.append(shot)  # examples of distinct templates
+    prefix = fewshot_prefix(shots)
     problems = sample_problems(cfg.num_train + cfg.num_val, max_number=cfg.max_operand,
-                               max_steps=cfg.max_steps, seed=cfg.seed)
+                               max_steps=cfg.max_steps, seed=cfg.seed, exclude=frozenset(q for _, q, _, _, _ in shots))
     splits = {"val": problems[:cfg.num_val], "train": problems[cfg.num_val:]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, rows in splits.items():
         path = out / f"{name}.parquet"
-        pd.DataFrame([make_word_problem_row(q, sol, ans, template=t, steps=s, split=name, index=i)
+        pd.DataFrame([make_word_problem_row(q, sol, ans, template=t, steps=s, split=name, index=i, prefix=prefix)
                       for i, (t, q, sol, ans, s) in enumerate(rows)]).to_parquet(path, index=False)
         paths[name] = str(path)
     return paths["train"], paths["val"]

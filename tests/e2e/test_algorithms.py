@@ -1,7 +1,8 @@
 """Each per-algorithm YAML of configs/ runs end to end through the real pipeline (Dagster in-process,
 local Ray, Delta, MLflow sqlite, the gloo worker group), shrunk to CI size, and the algorithm visibly
 took effect: KL loss with a reference table (grpo), unscaled advantages (dr_grpo), leave-one-out (rloo),
-KL in the reward with the adaptive controller (reinforce_pp), dynamic sampling + overlong shaping (dapo)."""
+KL in the reward with the adaptive controller (reinforce_pp), dynamic sampling + overlong shaping (dapo),
+greedy baselines stored beside the samples and subtracted from their returns (remax)."""
 from __future__ import annotations
 
 import os
@@ -131,3 +132,24 @@ def test_dapo_dynamic_sampling_and_overlong_shaping(run_algorithm) -> None:
     assert r.metrics("train/num_gen_batches") == [float(len(rounds))]
     assert r.metrics("train/num_groups_kept") == [8.0] and r.metrics("train/num_groups_generated") == [8.0 * len(rounds)]
     assert r.metrics("reward/overlong_penalized_frac")[0] > 0
+
+
+def test_remax_greedy_baselines_stored_and_subtracted(run_algorithm) -> None:
+    # 2 iterations: iteration 1 samples from the updated policy, so its KL-in-reward term is not ~0
+    r = run_algorithm("remax", 2)
+    for it in (0, 1):
+        rollouts, scored, adv = r.table("rollouts", it), r.table("scored_rollouts", it), r.table("advantages", it)
+        base = rollouts[rollouts["is_baseline"]]
+        assert len(base) == 8 and base["group_id"].is_unique and set(base["sample_index"]) == {-1}  # one per prompt
+        assert rollouts["rollout_id"].is_unique and len(rollouts) == 8 * (4 + 1)
+        assert (rollouts[~rollouts["is_baseline"]].groupby("group_id").size() == 4).all()
+        assert not set(adv["rollout_id"]) & set(base["rollout_id"]) and len(adv) == 32  # never trained on
+        b = scored[scored["is_baseline"]].set_index("group_id")["reward"]
+        kl_sum = adv["kl_coef"] * adv["reward_kl"] * adv["response_token_ids"].map(len)  # beta * sum_t KL_t
+        np.testing.assert_allclose(adv["advantage"], adv["reward"] - kl_sum - b.loc[adv["group_id"]].to_numpy(), atol=1e-5)
+        for tokens, returns, g in zip(adv["token_advantages"], adv["returns"], adv["group_id"]):
+            np.testing.assert_allclose(np.asarray(tokens), np.asarray(returns) - b[g], atol=1e-6)  # return-to-go - b
+        assert set(adv["adv_estimator"]) == {"remax"}
+        assert r.metrics("remax/baseline_reward/mean")[it] == pytest.approx(b.mean())
+        assert r.metrics("critic/score/mean")[it] == pytest.approx(scored.loc[~scored["is_baseline"], "reward"].mean())
+    assert np.abs(r.table("advantages", 1)["reward_kl"]).max() > 1e-4  # the KL term was really in the check

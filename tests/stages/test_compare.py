@@ -61,3 +61,6 @@ def test_best_direction() -> None:
     assert best_direction("val-aux/gsm8k/reward/mean@4") == "max"
     assert best_direction("actor/pg_loss") == "min"
     assert best_direction("response_length/mean") is None
+    assert best_direction("critic/rewards/mean") == "max"
+    assert best_direction("timing_s/scored_rollouts") is None  # a timing, though it says "score"
+    assert best_direction("critic/score/group_all_equal_frac") is None

@@ -59,3 +59,20 @@ def test_missing_partition_says_what_to_materialize(tmp_path) -> None:
     store.write_partition(uri, "iteration_metrics", _metrics({"a": 1.0}), run_id="r", iteration=0, lineage={})
     with pytest.raises(LookupError, match="no rows for run 'r' iteration 5"):
         store.read_partition(uri, "r", 5)
+
+
+def test_a_table_from_an_older_schema_gains_new_columns(tmp_path) -> None:
+    """A run resumed on a newer rlake writes columns its tables do not have yet: write_partition merges
+    the schema (old rows read the new column as null) instead of refusing the write."""
+    import pandas as pd
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    uri = str(tmp_path / "iteration_metrics")
+    old = pa.table({"run_id": ["r", "r"], "iteration": pa.array([0, 1], pa.int64()), "metric": ["m", "m"],
+                    "value": [1.0, 2.0]})  # written before policy_version existed
+    write_deltalake(uri, old, mode="append", partition_by=["run_id", "iteration"])
+    rows = pd.DataFrame({"policy_version": [2], "metric": ["m"], "value": [5.0]})
+    store.write_partition(uri, "iteration_metrics", rows, run_id="r", iteration=1, lineage={"stage": "test"})
+    df = DeltaTable(uri).to_pandas().sort_values("iteration")
+    assert df["value"].tolist() == [1.0, 5.0] and df["policy_version"].isna().tolist() == [True, False]

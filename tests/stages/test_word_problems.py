@@ -138,3 +138,19 @@ def test_named_model_resolution_is_idempotent(tmp_path, monkeypatch) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
                                    tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_fewshot_examples_are_worked_distinct_and_never_asked(tmp_path) -> None:
+    cfg = SyntheticTaskConfig(task="word_problems", num_train=100, num_val=20, max_operand=10, max_steps=1, fewshot=2)
+    train, val = (pd.read_parquet(p) for p in generate_word_problem_task(tmp_path, cfg))
+    contents = [p[0]["content"] for df in (train, val) for p in df["prompt"]]
+    prefix = contents[0].rsplit("Question: ", 1)[0]
+    assert all(c.startswith(prefix) for c in contents)  # the same examples before every question
+    shots = re.findall(r"Question: (.*?)\nAnswer: (.*?)\n#### (\d+)\n\n", prefix)
+    assert len(shots) == 2
+    asked = {i["question"] for df in (train, val) for i in df["extra_info"]}
+    for question, solution, answer in shots:
+        assert question not in asked
+        assert score_gsm8k(f"{solution}\n#### {answer}", answer) == 1.0
+    for c, info in zip(contents, [i for df in (train, val) for i in df["extra_info"]]):
+        assert c == f"{prefix}Question: {info['question']} {INSTRUCTION}"
