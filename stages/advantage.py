@@ -27,6 +27,10 @@ def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     if "is_baseline" in scored:
         lost = set(scored.loc[~ok & scored["is_baseline"].astype(bool).to_numpy(), "group_id"])
         ok &= ~scored["group_id"].isin(lost).to_numpy()
+    if len(scored) and not ok.any():
+        raise ValueError(f"all {len(scored)} rollouts were flagged by the reward stage (reward_error in "
+                         "scored_rollouts), so there is nothing to train on; fix the reward function and "
+                         "re-materialize scored_rollouts for this iteration")
     return scored[ok].reset_index(drop=True), int((~ok).sum())
 
 

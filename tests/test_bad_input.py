@@ -195,6 +195,8 @@ def test_reward_flagged_rows_are_kept_and_training_continues_without_them(broken
     kept, dropped = drop_flagged_rollouts(scored)
     assert dropped == 2 and kept["rollout_id"].tolist() == [0, 3]
     assert len(compute_advantage_table(kept, AlgorithmConfig())) == 2
+    with pytest.raises(ValueError, match=r"all 2 rollouts were flagged by the reward stage .* fix the reward function"):
+        drop_flagged_rollouts(scored.iloc[1:3])
 
 
 def test_export_of_a_missing_checkpoint(tmp_path, capsys) -> None:
