@@ -144,6 +144,7 @@ def train_loop_per_worker(job: dict) -> None:
             micro_batch_size=actor_cfg.megatron.micro_batch_size or actor_cfg.ppo_micro_batch_size)
         metrics["timing_s/update_load"] = t_load
         metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
+        metrics["actor/weights_loaded_from_disk"] = 1.0  # megatron shards are rebuilt from the HF checkpoint
         shards = gather_to_rank0({n: p.detach() for n, p in model.named_parameters()})
         opt_state = export_optimizer_state(opt, model, arch, hf_names, tp=tp, pp=pp)
         if dist.get_rank() == 0:

@@ -129,8 +129,9 @@ def assert_same_outputs(a: str, b: str, w0: dict[str, torch.Tensor]) -> None:
     diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).norm()
     step = torch.cat([(wb[k] - w0[k]).flatten() for k in wa]).norm()
     assert diff / step < UPDATE_RTOL, f"relative update difference {float(diff / step):.2e}"
-    keys = {k for k in ma if not k.startswith("timing_s/")}
-    assert keys == {k for k in mb if not k.startswith("timing_s/")}
+    skip = ("timing_s/", "actor/weights_loaded_from_disk")  # provenance, not results
+    keys = {k for k in ma if not k.startswith(skip)}
+    assert keys == {k for k in mb if not k.startswith(skip)}
     for k in sorted(keys):
         assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-6), k
     sa, sb = oa["optimizer"], ob["optimizer"]
