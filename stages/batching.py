@@ -34,12 +34,15 @@ def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
 
 
 def response_logits(model, batch: dict[str, Tensor]) -> Tensor:
-    """Logits predicting each response token: (N, L, V)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
-    p_len = batch["prompt_len"]
+    """Logits predicting each response token: (N, L, V).
+
+    Only the last L+1 positions go through the LM head (`logits_to_keep`): with a vocabulary of
+    50k and long prompts, full-sequence float32 logits (and their gradients) were most of a
+    trainer's memory."""
     l_len = batch["responses"].shape[1]
-    return out.logits[:, p_len - 1:p_len - 1 + l_len]  # (N, L, V)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=l_len + 1)
+    return out.logits[:, :l_len]  # positions P-1 .. P+L-2: (N, L, V)
 
 
 def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:
