@@ -131,8 +131,12 @@ def run_policy_update(job: dict, *, num_workers: int) -> dict[str, float]:
     checkpoint (plus timing_s/update, the wall time of the whole call)."""
     from stages.worker_group import run_with_retry
 
+    import ray
+
     t0 = time.perf_counter()
-    job = {**job, "checkpoint_id": f"{job['run_id']}/{job['iteration']}/{time.time_ns()}"}
+    # the ranks share the node's CPUs: 1 rank on 2 cores gets 2 threads, 2 ranks get 1 each
+    threads = job.get("threads_per_worker") or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_workers)
+    job = {**job, "checkpoint_id": f"{job['run_id']}/{job['iteration']}/{time.time_ns()}", "threads_per_worker": threads}
     strategy = job["actor"].get("strategy", "torch")
     run_with_retry(f"trainer-{strategy}", num_workers, lambda g: g.run(TRAIN_LOOPS[strategy], job),
                    threads=job.get("threads_per_worker", 1))
