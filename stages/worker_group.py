@@ -103,7 +103,10 @@ class WorkerGroup:
         import ray
 
         for w in self.workers:
-            ray.kill(w, no_restart=True)
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead, or a handle of an earlier Ray session
+                pass
         self.workers = []
 
     @property
@@ -112,9 +115,11 @@ class WorkerGroup:
 
 
 def _session() -> str:
+    """The Ray session: job ids restart at 01000000 in every new local cluster, node ids do not."""
     import ray
 
-    return ray.get_runtime_context().get_job_id()
+    ctx = ray.get_runtime_context()
+    return f"{ctx.get_node_id()}/{ctx.get_job_id()}"
 
 
 def worker_group(kind: str, num_workers: int, *, threads: int = 1, **kwargs: Any) -> WorkerGroup:

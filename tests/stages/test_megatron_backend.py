@@ -225,18 +225,12 @@ def test_num_workers_not_a_grid_is_rejected() -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_worker_group_dispatch_tp2(policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
+def test_worker_group_dispatch_tp2(ray_session, policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
     """stages.update.run_policy_update dispatches strategy='megatron' to this backend on
     the persistent gloo worker group and returns rank 0's metrics."""
-    import ray
-
     from stages.update import run_policy_update
 
     job = make_job(policy_and_table, "megatron_ray_tp2", tp=2, num_workers=2)
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
-    try:
-        metrics = run_policy_update(job, num_workers=2)
-    finally:
-        ray.shutdown()
+    metrics = run_policy_update(job, num_workers=2)
     assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT
     assert_same_outputs(job["out_dir"], megatron_outs[(2, 1)], initial_weights)
