@@ -36,7 +36,7 @@ from torch import Tensor
 from stages.algos.masking import masked_mean, masked_var
 from stages.algos.value import compute_value_loss
 from stages.batching import pad_rollouts
-from stages.trainer import make_optimizer
+from stages.trainer import clip_grads, make_optimizer, optimizer_step
 
 OPTIMIZER_FILE = "optimizer.pt"
 METRICS_FILE = "critic_metrics.json"
@@ -220,17 +220,9 @@ def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_
                 (loss / n_micro).backward()
                 for key, value in m.items():
                     add(key, value)
-            clip = critic_cfg.optim.grad_clip
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                       clip if clip > 0 else float("inf"))
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite critic grad norm {float(grad_norm)}; lower critic.optim.lr "
-                                         "or check the returns in the advantages table")
-            add("critic/grad_norm", float(grad_norm))
-            add("critic/lr", optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = clip_grads(model, critic_cfg.optim.grad_clip)
+            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="critic", error=(
+                "non-finite critic grad norm {norm}; lower critic.optim.lr or check the returns in the advantages table"))
     model.eval()
     return {k: sums[k] / counts[k] for k in sorted(sums)}
 

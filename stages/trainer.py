@@ -47,6 +47,27 @@ def make_optimizer(model, optim_cfg) -> tuple[torch.optim.Optimizer, torch.optim
     return opt, sched
 
 
+def clip_grads(model, clip: float) -> Tensor:
+    """Global-norm gradient clipping over the parameters that got a gradient (clip <= 0: measure only)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+
+
+def optimizer_step(optimizer, scheduler, grad_norm: Tensor, add, *, prefix: str, error: str) -> None:
+    """One optimizer + LR-scheduler step after the gradients of a mini-batch are final: refuses a
+    non-finite grad norm (`error` is the message, with {norm}), logs <prefix>/grad_norm and <prefix>/lr."""
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(error.format(norm=float(grad_norm)))
+    add(f"{prefix}/grad_norm", float(grad_norm))
+    add(f"{prefix}/lr", optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+ACTOR_GRAD_ERROR = "non-finite grad norm {norm} at update; lower actor.optim.lr or check the advantages table"
+
+
 def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prompt: int,
                pad_id: int, seed: int = 0, ddp_model=None) -> dict[str, float]:
     """One iteration's policy optimization on this worker's share of the batch.
@@ -115,17 +136,8 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
                 for key, value in m.items():
                     add(key, value)
                 add("actor/entropy", float(entropy.detach()))
-            clip = actor_cfg.optim.grad_clip
-            params = [p for p in model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite grad norm {float(grad_norm)} at update; "
-                                         "lower actor.optim.lr or check the advantages table")
-            add("actor/grad_norm", float(grad_norm))
-            add("actor/lr", optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = clip_grads(model, actor_cfg.optim.grad_clip)
+            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="actor", error=ACTOR_GRAD_ERROR)
     model.eval()
     metrics = {k: sums[k] / counts[k] for k in sorted(sums)}
     if world > 1:

@@ -32,6 +32,7 @@ from stages.algos.losses import (
     masked_mean,
 )
 from stages.batching import pad_rollouts, token_advantages
+from stages.trainer import ACTOR_GRAD_ERROR, optimizer_step
 from stages.megatron.convert import tp_partition_dim
 
 
@@ -210,14 +211,7 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
             micro = list(order[m0:m0 + per_worker_mini].split(micro_batch_size))
             run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False)
             grad_norm = finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite grad norm {float(grad_norm)} at update; "
-                                         "lower actor.optim.lr or check the advantages table")
-            add("actor/grad_norm", float(grad_norm))
-            add("actor/lr", optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="actor", error=ACTOR_GRAD_ERROR)
     model.eval()
     metrics = _reduce_metrics(sums, counts, dp)
     metrics["actor/num_rollouts"] = float(n * dp)
