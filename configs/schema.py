@@ -235,6 +235,9 @@ class RewardConfig(_Strict):
     """Score for a well-formed but wrong answer (verl's gsm8k format_score)."""
     score: float = 1.0
     """Score for a correct answer."""
+    gsm8k_method: Literal["strict", "flexible"] = "strict"
+    """Answer extraction of the gsm8k-family scorers (verl's gsm8k compute_score `method`): strict = the
+    last '#### N'; flexible = the last number in the response's final 300 characters."""
     num_workers: int = 2
     """Parallel Ray Data workers scoring rewards."""
     on_error: Literal["raise", "flag"] = "raise"

@@ -10,7 +10,10 @@ the shaping term and `reward` = score + overlong_penalty. Validation scores the 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from collections.abc import Callable
 
 import pandas as pd
 import torch
@@ -20,6 +23,16 @@ from stages.rewards import reward_fn_for
 from stages.ray_data import map_with_tasks
 
 
+@functools.cache
+def _takes_method(fn: Callable[..., float]) -> bool:
+    return "method" in inspect.signature(fn).parameters
+
+
+def _method_kw(fn: Callable[..., float], method: str) -> dict:
+    """{"method": method} for scorers with a `method` parameter (the gsm8k family), else {}."""
+    return {"method": method} if _takes_method(fn) else {}
+
+
 class RewardStage:
     """ds.map_batches(RewardStage, fn_constructor_kwargs={"cfg": reward_cfg}) or called directly.
 
@@ -27,8 +40,9 @@ class RewardStage:
     """
 
     def __init__(self, format_score: float = 0.0, score: float = 1.0, on_error: str = "raise",
-                 overlong: dict | None = None) -> None:
+                 overlong: dict | None = None, gsm8k_method: str = "strict") -> None:
         self.kw = {"format_score": format_score, "score": score}
+        self.gsm8k_method = gsm8k_method
         self.on_error = on_error
         self.overlong = overlong
 
@@ -38,7 +52,7 @@ class RewardStage:
                                      batch["ground_truth"]):
             fn = reward_fn_for(ds)
             try:
-                value = float(fn(text, gt, **self.kw))
+                value = float(fn(text, gt, **self.kw, **_method_kw(fn, self.gsm8k_method)))
                 if not math.isfinite(value):
                     raise ValueError(f"returned non-finite {value}")
                 err = None
@@ -72,7 +86,7 @@ def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True,
     if ob is not None and ob.enable and max_response_length is not None:
         overlong = {"len": ob.len, "penalty_factor": ob.penalty_factor, "max_response_length": max_response_length}
     kwargs = {"format_score": reward_cfg.format_score, "score": reward_cfg.score, "on_error": reward_cfg.on_error,
-              "overlong": overlong}
+              "overlong": overlong, "gsm8k_method": reward_cfg.gsm8k_method}
     if not use_ray:
         return RewardStage(**kwargs)(rollouts)
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))

@@ -1,32 +1,45 @@
 """Rule-based reward functions, chosen per data_source (verl semantics).
 
-- gsm8k: look at the last 300 characters, take the last `#### <number>`, strip commas and `$`,
-  exact string compare: `score` if equal, `format_score` if an answer was found, 0 otherwise.
+- gsm8k (verl's `gsm8k.compute_score`): only the last 300 characters are read. method "strict"
+  (default): the last `#### <number>` (digits, `.`, `,`, optional leading `-`), commas removed;
+  method "flexible": the last number anywhere in those 300 characters (no `####` needed; not
+  `.`-stripped, so "18." != "18", as in verl). Exact string compare with the ground truth:
+  `score` if equal, `format_score` if an answer was extracted, 0 otherwise.
 - MATH: the last `\\boxed{...}`, normalised (spaces, `\\left`/`\\right`, `\\!`, `dfrac`, units
   of degrees, trailing `.`), exact compare.
-- rlake/arith (the synthetic task): gsm8k semantics.
+- rlake/arith, rlake/gsm8k_synth (the synthetic tasks): gsm8k semantics.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Literal
 
-_GSM8K_RE = re.compile(r"#### (\-?[0-9\.\,\$]+)")
-
-
-def extract_gsm8k_answer(text: str) -> str | None:
-    tail = text[-300:]
-    found = _GSM8K_RE.findall(tail)
-    if not found:
-        return None
-    return found[-1].replace(",", "").replace("$", "")
+_SOLUTION_CLIP_CHARS = 300
+_GSM8K_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
+GSM8K_METHODS = ("strict", "flexible")
 
 
-def score_gsm8k(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0) -> float:
-    answer = extract_gsm8k_answer(response)
+def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
+    """The answer verl's gsm8k scorer extracts from `text` under `method`, or None."""
+    if method not in GSM8K_METHODS:
+        raise ValueError(f"gsm8k answer extraction method '{method}' is not one of {GSM8K_METHODS}; "
+                         "set reward.gsm8k_method to 'strict' (needs '#### N') or 'flexible' (last number).")
+    tail = text[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = _GSM8K_STRICT_RE.findall(tail)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    numbers = [n for n in _GSM8K_FLEXIBLE_RE.findall(tail) if n not in ("", ".")]
+    return numbers[-1] if numbers else None
+
+
+def score_gsm8k(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0,
+                method: Literal["strict", "flexible"] = "strict") -> float:
+    answer = extract_gsm8k_answer(response, method)
     if answer is None:
         return 0.0
-    return score if answer == str(ground_truth).replace(",", "").replace("$", "") else format_score
+    return score if answer == str(ground_truth) else format_score
 
 
 def last_boxed(text: str) -> str | None:

@@ -14,7 +14,8 @@ from stages.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_
 @pytest.mark.parametrize("text,gt,expected", [
     ("so the answer is #### 42", "42", 1.0),
     ("#### 1,234", "1234", 1.0),             # commas stripped
-    ("#### $17", "17", 1.0),                 # dollar stripped
+    ("#### $17", "17", 0.0),                 # verl's regex wants a sign or digit right after '#### '
+    ("#### 17$", "17", 1.0),                 # a '$' after the number is not part of the match
     ("#### 3 then #### 5", "5", 1.0),        # the LAST #### counts
     ("#### 3 then #### 5", "3", 0.0),
     ("the answer is 42", "42", 0.0),         # no #### -> 0 even if correct
@@ -23,6 +24,39 @@ from stages.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_
 ])
 def test_gsm8k_cases(text: str, gt: str, expected: float) -> None:
     assert score_gsm8k(text, gt) == expected
+
+
+@pytest.mark.parametrize("text,gt,expected", [
+    ("so she has 18 apples", "18", 1.0),           # no '####' needed
+    ("3 + 4 = 7, so 7 + 11 = 18", "18", 1.0),      # the LAST number counts
+    ("3 + 4 = 7, so 7 + 11 = 18", "7", 0.0),
+    ("she has 18.", "18", 0.0),                    # '18.' is one match and is not '.'-stripped (verl)
+    ("#### 1,234", "1234", 0.0),                   # flexible keeps commas (verl)
+    ("total -5 . .", "-5", 1.0),                   # a lone '.' is skipped
+    ("no digits here", "0", 0.0),
+])
+def test_gsm8k_flexible_cases(text: str, gt: str, expected: float) -> None:
+    assert score_gsm8k(text, gt, method="flexible") == expected
+
+
+def test_gsm8k_flexible_reads_last_300_chars_and_gives_format_score() -> None:
+    assert score_gsm8k("42" + "x" * 300, "42", method="flexible") == 0.0
+    assert score_gsm8k("about 41 of them", "42", method="flexible", format_score=0.1) == 0.1
+
+
+def test_gsm8k_unknown_method_says_which_are_valid() -> None:
+    with pytest.raises(ValueError, match=r"'lenient' is not one of \('strict', 'flexible'\); set reward.gsm8k_method"):
+        score_gsm8k("#### 1", "1", method="lenient")
+
+
+def test_reward_stage_passes_gsm8k_method_to_gsm8k_scorers_only(monkeypatch) -> None:
+    texts = ["#### 5", "it is 5", "4"]
+    assert RewardStage()(_rollouts(texts))["reward"].tolist() == [1.0, 0.0, 0.0]
+    scored = score_rollouts(_rollouts(texts), RewardConfig(gsm8k_method="flexible"), use_ray=False)
+    assert scored["reward"].tolist() == [1.0, 1.0, 0.0]
+    monkeypatch.setitem(REWARD_FNS, "test/plain", lambda text, gt, **kw: float("method" not in kw))
+    plain = RewardStage(gsm8k_method="flexible")(_rollouts(texts, ["test/plain"] * 3))
+    assert plain["reward"].tolist() == [1.0, 1.0, 1.0]  # a scorer without a `method` parameter never gets one
 
 
 def test_gsm8k_only_reads_last_300_chars() -> None:
