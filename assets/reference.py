@@ -6,6 +6,7 @@ import numpy as np
 from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from assets.rollout import rollouts
+from stages.batching import logprob_temperature
 from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs
 
 
@@ -19,7 +20,8 @@ def ref_logprobs(context: dg.AssetExecutionContext, run_config: RunConfigResourc
     ray.ensure()
     with timed() as t:
         out = compute_ref_logprobs(df, model_dir=str(ref_dir), micro_batch_size=cfg.actor.ppo_micro_batch_size,
-                                   num_workers=cfg.rollout.num_workers)
+                                   num_workers=cfg.rollout.num_workers,
+                                   temperature=logprob_temperature(cfg.rollout.temperature))
     v = rollout_store.write("ref_logprobs", out, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="ref_logprobs", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
     log_ratio = np.concatenate([np.asarray(a) - np.asarray(b) for a, b in zip(df.sort_values("rollout_id")["rollout_logprobs"],

@@ -33,8 +33,15 @@ def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
             "responses": ids[:, p_len:], "response_mask": response_mask, "prompt_len": p_len}
 
 
-def response_logits(model, batch: dict[str, Tensor]) -> Tensor:
-    """Logits predicting each response token: (N, L, V).
+def logprob_temperature(rollout_temperature: float) -> float:
+    """The temperature the trainer and the reference model divide logits by: the rollout's
+    sampling temperature (verl: actor and ref log-probs use rollout.temperature), 1 for greedy
+    rollouts (temperature 0)."""
+    return float(rollout_temperature) if rollout_temperature > 0 else 1.0
+
+
+def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -> Tensor:
+    """Logits predicting each response token, divided by `temperature`: (N, L, V).
 
     Only the last L+1 positions go through the LM head (`logits_to_keep`): with a vocabulary of
     50k and long prompts, full-sequence float32 logits (and their gradients) were most of a
@@ -42,7 +49,8 @@ def response_logits(model, batch: dict[str, Tensor]) -> Tensor:
     l_len = batch["responses"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False, logits_to_keep=l_len + 1)
-    return out.logits[:, :l_len]  # positions P-1 .. P+L-2: (N, L, V)
+    logits = out.logits[:, :l_len]  # positions P-1 .. P+L-2: (N, L, V)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:

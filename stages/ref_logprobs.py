@@ -3,9 +3,10 @@ reference policy (policy version 0 of the run), for KL as a loss (actor.use_kl_l
 reward (algorithm.use_kl_in_reward).
 
 The math is the trainer's old-log-prob recomputation (stages.batching.pad_rollouts +
-response_logits, stages.algos.losses.gather_logprobs, temperature 1, micro-batched), so at
-iteration 0 the reference log-probs equal the rollout engine's at sampling temperature 1 (a test
-checks 1e-4). The model loads once per Ray Data actor, never per batch.
+response_logits, stages.algos.losses.gather_logprobs, micro-batched) at the same temperature (the
+rollout's sampling temperature, as verl's ref), so at iteration 0 the reference log-probs equal the
+trainer's old log-probs and the rollout engine's (a test checks 1e-4). The model loads once per
+Ray Data actor, never per batch.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class RefLogprobStage:
     """ds.map_batches(RefLogprobStage, fn_constructor_kwargs={"model_dir": ...}) or called directly."""
 
     def __init__(self, model_dir: str, micro_batch_size: int = 64, num_threads: int | None = None,
-                 ref_policy_version: int = REF_POLICY_VERSION) -> None:
+                 ref_policy_version: int = REF_POLICY_VERSION, temperature: float = 1.0) -> None:
         from stages.models import load_policy
 
         if num_threads:
@@ -35,6 +36,7 @@ class RefLogprobStage:
         self.pad_id = tok.pad_token_id
         self.micro_batch_size = micro_batch_size
         self.ref_policy_version = ref_policy_version
+        self.temperature = temperature
 
     @torch.no_grad()
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
@@ -44,7 +46,8 @@ class RefLogprobStage:
             prompts = [list(map(int, p)) for p in part["prompt_token_ids"]]
             responses = [list(map(int, r)) for r in part["response_token_ids"]]
             padded = pad_rollouts(prompts, responses, self.pad_id)
-            logprobs = gather_logprobs(response_logits(self.model, padded), padded["responses"])  # (n, L)
+            logits = response_logits(self.model, padded, self.temperature)  # (n, L, V)
+            logprobs = gather_logprobs(logits, padded["responses"])  # (n, L)
             out.extend(logprobs[i, :len(r)].tolist() for i, r in enumerate(responses))
         return pd.DataFrame({"rollout_id": batch["rollout_id"].to_numpy(),
                              "policy_version": batch["policy_version"].to_numpy(),
@@ -52,12 +55,12 @@ class RefLogprobStage:
 
 
 def compute_ref_logprobs(rollouts: pd.DataFrame, *, model_dir: str, micro_batch_size: int = 64,
-                         num_workers: int = 1, use_ray: bool = True) -> pd.DataFrame:
+                         num_workers: int = 1, use_ray: bool = True, temperature: float = 1.0) -> pd.DataFrame:
     """Rows of the ref_logprobs table (rollout_id, policy_version, ref_policy_version, ref_logprobs),
     sorted by rollout_id; one list per rollout, as long as its response."""
     if not len(rollouts):
         raise ValueError("compute_ref_logprobs got no rollouts: the rollouts partition is empty")
-    kwargs = {"model_dir": model_dir, "micro_batch_size": micro_batch_size}
+    kwargs = {"model_dir": model_dir, "micro_batch_size": micro_batch_size, "temperature": temperature}
     if use_ray:
         workers = max(1, min(num_workers, len(rollouts)))
         out = map_with_actor_pool(rollouts, RefLogprobStage, {**kwargs, "num_threads": 2 if workers == 1 else 1},

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from configs.schema import RunConfig
 from stages import store
+from stages.batching import logprob_temperature
 from stages.checkpoints import ModelStore
 from stages.tables import PROMPTS_ITERATION
 
@@ -32,7 +33,8 @@ def policy_update_job(cfg: RunConfig, iteration: int, *, advantages_uri: str, ad
     return {"run_id": cfg.run_id, "iteration": iteration, "advantages_uri": advantages_uri,
             "advantages_version": int(advantages_version), "policy_dir": str(policy_dir), "out_dir": str(out_dir),
             "actor": cfg.actor.model_dump(mode="json"), "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
-            "n_per_prompt": cfg.rollout.n, "seed": cfg.seed * 7 + iteration}
+            "n_per_prompt": cfg.rollout.n, "seed": cfg.seed * 7 + iteration,
+            "temperature": logprob_temperature(cfg.rollout.temperature)}
 
 
 @dataclass

@@ -29,13 +29,13 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch: dict, micro_batch_size: int) -> Tensor:
-    """Log-probs of the response tokens under `model`: (N, L)."""
+def compute_logprobs(model, batch: dict, micro_batch_size: int, temperature: float = 1.0) -> Tensor:
+    """Log-probs of the response tokens under `model` at `temperature`: (N, L)."""
     out = []
     n = batch["input_ids"].shape[0]
     for s in range(0, n, micro_batch_size):
         mb = _slice(batch, torch.arange(s, min(s + micro_batch_size, n)))
-        out.append(gather_logprobs(response_logits(model, mb), mb["responses"]))
+        out.append(gather_logprobs(response_logits(model, mb, temperature), mb["responses"]))
     return torch.cat(out)
 
 
@@ -69,7 +69,7 @@ ACTOR_GRAD_ERROR = "non-finite grad norm {norm} at update; lower actor.optim.lr 
 
 
 def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prompt: int,
-               pad_id: int, seed: int = 0, ddp_model=None) -> dict[str, float]:
+               pad_id: int, seed: int = 0, ddp_model=None, temperature: float = 1.0) -> dict[str, float]:
     """One iteration's policy optimization on this worker's share of the batch.
 
     Args:
@@ -77,6 +77,8 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
             float tensor, optional ref_logprobs (N lists). N is this worker's rollouts; they are
             split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
         ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module).
+        temperature: logits are divided by it for old/new log-probs and the entropy (verl: the
+            rollout's sampling temperature, so the PPO ratio compares the distributions that sampled).
     Returns:
         metrics averaged over micro-batches (and workers): actor/pg_loss, actor/pg_clipfrac, ...
     """
@@ -87,7 +89,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
     batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
     mb_size = actor_cfg.ppo_micro_batch_size
     model.eval()
-    batch["old_logprobs"] = compute_logprobs(model, batch, mb_size)
+    batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature)
     if actor_cfg.use_kl_loss:
         if "ref_logprobs" not in rows:
             raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
@@ -119,7 +121,7 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
                 sync = k == n_micro - 1 or ddp_model is None
                 ctx = torch.enable_grad() if sync else train_model.no_sync()
                 with ctx:
-                    logits = response_logits(train_model, mb)  # (n_mb, L, V)
+                    logits = response_logits(train_model, mb, temperature)  # (n_mb, L, V)
                     logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
                     pg_loss, m = policy_loss(
                         mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],

@@ -112,7 +112,8 @@ def train_loop_per_worker(job: dict) -> dict[str, float]:
     rows = _worker_rows(job, rank, world)
     t_load = time.perf_counter() - t0
     metrics = ppo_update(model, opt, sched, rows, actor_cfg, n_per_prompt=job["n_per_prompt"],
-                         pad_id=tok.pad_token_id, seed=job["seed"], ddp_model=ddp)
+                         pad_id=tok.pad_token_id, seed=job["seed"], ddp_model=ddp,
+                         temperature=job.get("temperature", 1.0))
     metrics["timing_s/update_load"] = t_load
     metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
     metrics["actor/weights_loaded_from_disk"] = float(from_disk)

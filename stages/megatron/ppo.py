@@ -49,7 +49,7 @@ def _slice(batch: dict, idx: Tensor) -> dict:
 
 
 def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_size: int,
-                 forward_only: bool) -> list:
+                 forward_only: bool, temperature: float = 1.0) -> list:
     """Run micro-batches (row indices into batch) through megatron's schedule.
 
     loss_fn(mb, logits (n_mb, L, V)) -> (scalar loss, metrics) is called on the last stage only;
@@ -64,7 +64,8 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
         mb = next(data_iterator)
         output = model(mb["input_ids"], mb["position_ids"], mb["mask4d"])
         # last stage: (n_mb, T, V_padded) logits; earlier stages: hidden states
-        return output, lambda out: loss_fn(mb, out[:, p_len - 1:p_len - 1 + l_len, :vocab_size])  # (n_mb, L, V)
+        # (n_mb, L, V) response logits at the rollout temperature, as stages.batching.response_logits
+        return output, lambda out: loss_fn(mb, out[:, p_len - 1:p_len - 1 + l_len, :vocab_size] / temperature)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
@@ -73,14 +74,15 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
 
 
 @torch.no_grad()
-def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int) -> Tensor:
+def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int, temperature: float = 1.0) -> Tensor:
     """(N, L) log-probs of the responses on the last stage; zeros elsewhere."""
     from megatron.core import parallel_state as ps
 
     n = batch["input_ids"].shape[0]
     idx = list(torch.arange(n).split(mb_size))
     outs = run_schedule(model, batch, idx, lambda mb, logits: (logits.new_zeros(()), {
-        "logprobs": gather_logprobs(logits, mb["responses"])}), vocab_size=vocab_size, forward_only=True)
+        "logprobs": gather_logprobs(logits, mb["responses"])}), vocab_size=vocab_size, forward_only=True,
+        temperature=temperature)
     if not ps.is_pipeline_last_stage():
         return torch.zeros_like(batch["response_mask"])
     return torch.cat([o["logprobs"] for o in outs])
@@ -175,7 +177,7 @@ def _reduce_metrics(sums: dict, counts: dict, dp: int) -> dict[str, float]:
 
 def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, vocab_size: int,
                         tied: bool, n_per_prompt: int, pad_id: int, micro_batch_size: int,
-                        seed: int = 0) -> dict[str, float]:
+                        seed: int = 0, temperature: float = 1.0) -> dict[str, float]:
     """One iteration's policy optimization of this rank's stage on its DP share of the batch.
 
     Args: as `stages.trainer.ppo_update`; rows are this DP rank's rollouts (the same on every
@@ -188,7 +190,7 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
     batch = _prepare_batch(rows, actor_cfg, pad_id)
     n = batch["input_ids"].shape[0]
     model.eval()
-    batch["old_logprobs"] = compute_old_logprobs(model, batch, micro_batch_size, vocab_size)
+    batch["old_logprobs"] = compute_old_logprobs(model, batch, micro_batch_size, vocab_size, temperature)
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // dp
     if n % per_worker_mini or per_worker_mini % micro_batch_size:
@@ -209,7 +211,8 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
         order = torch.randperm(n, generator=gen)
         for m0 in range(0, n, per_worker_mini):
             micro = list(order[m0:m0 + per_worker_mini].split(micro_batch_size))
-            run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False)
+            run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False,
+                         temperature=temperature)
             grad_norm = finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip)
             optimizer_step(optimizer, scheduler, grad_norm, add, prefix="actor", error=ACTOR_GRAD_ERROR)
     model.eval()

@@ -141,7 +141,8 @@ def train_loop_per_worker(job: dict) -> None:
         metrics = megatron_ppo_update(
             model, opt, sched, rows, actor_cfg, vocab_size=arch.vocab_size, tied=arch.tied,
             n_per_prompt=job["n_per_prompt"], pad_id=tok.pad_token_id, seed=job["seed"],
-            micro_batch_size=actor_cfg.megatron.micro_batch_size or actor_cfg.ppo_micro_batch_size)
+            micro_batch_size=actor_cfg.megatron.micro_batch_size or actor_cfg.ppo_micro_batch_size,
+            temperature=job.get("temperature", 1.0))
         metrics["timing_s/update_load"] = t_load
         metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
         metrics["actor/weights_loaded_from_disk"] = 1.0  # megatron shards are rebuilt from the HF checkpoint

@@ -234,3 +234,17 @@ def test_worker_group_dispatch_tp2(ray_session, policy_and_table, megatron_outs,
     metrics = run_policy_update(job, num_workers=2)
     assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT
     assert_same_outputs(job["out_dir"], megatron_outs[(2, 1)], initial_weights)
+
+
+def test_rollout_temperature_reaches_both_backends(policy_and_table, torch_out, initial_weights) -> None:
+    """verl divides the actor's logits by rollout.temperature (old and new log-probs, entropy): the
+    job's temperature does that in both backends, identically."""
+    from stages.update import train_loop_per_worker
+
+    torch_job = {**make_job(policy_and_table, "torch_t07", strategy="torch"), "temperature": 0.7}
+    train_loop_per_worker(torch_job)
+    megatron_job = {**make_job(policy_and_table, "megatron_t07"), "temperature": 0.7}
+    spawn_megatron(megatron_job, 1)
+    assert_same_outputs(megatron_job["out_dir"], torch_job["out_dir"], initial_weights)
+    tempered, plain = load_out(torch_job["out_dir"])[2], load_out(torch_out)[2]
+    assert tempered["actor/entropy"] < plain["actor/entropy"]  # logits / 0.7: a sharper distribution

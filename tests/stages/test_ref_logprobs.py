@@ -13,12 +13,12 @@ from stages.ref_logprobs import RefLogprobStage, compute_ref_logprobs, needs_ref
 from stages.rollout import generate_rollouts
 
 
-def _rollouts(model_dir, n_prompts: int = 5, n: int = 3) -> pd.DataFrame:
+def _rollouts(model_dir, n_prompts: int = 5, n: int = 3, temperature: float = 1.0) -> pd.DataFrame:
     _, tok = load_policy(model_dir)
     prompts = [encode_chat(tok, [{"role": "user", "content": f"{i * 7}+{i}="}])[0] for i in range(n_prompts)]
     batch = pd.DataFrame({"prompt_id": range(n_prompts), "prompt_token_ids": prompts, "group_id": range(n_prompts),
                           "policy_version": 0})
-    cfg = RolloutConfig(name="hf", n=n, temperature=1.0)
+    cfg = RolloutConfig(name="hf", n=n, temperature=temperature)
     return generate_rollouts(batch, model_dir=str(model_dir), rollout_cfg=cfg, max_tokens=6, seed=0, use_ray=False)
 
 
@@ -31,9 +31,13 @@ def pad_is_eos_checkpoint(tiny_checkpoint, tmp_path_factory):
     return save_policy(model, tok, tmp_path_factory.mktemp("pad_eos") / "policy_v0")
 
 
-def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint) -> None:
-    out = _rollouts(pad_is_eos_checkpoint)
-    ref = compute_ref_logprobs(out, model_dir=pad_is_eos_checkpoint, micro_batch_size=4, use_ray=False)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint, temperature) -> None:
+    """At the sampling temperature (verl's ref and actor divide logits by rollout.temperature) the
+    reference log-probs of policy v0 are the engine's sampling log-probs."""
+    out = _rollouts(pad_is_eos_checkpoint, temperature=temperature)
+    ref = compute_ref_logprobs(out, model_dir=pad_is_eos_checkpoint, micro_batch_size=4, use_ray=False,
+                               temperature=temperature)
     assert ref["rollout_id"].tolist() == out["rollout_id"].tolist()
     assert (ref["ref_logprobs"].map(len) == out["response_length"]).all()
     assert set(ref["ref_policy_version"]) == {0}
@@ -41,18 +45,23 @@ def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint)
     want = np.concatenate([np.asarray(x) for x in out["rollout_logprobs"]])
     assert got.size == want.size > 0 and (got < 0).all()
     np.testing.assert_allclose(got, want, atol=1e-4)
+    if temperature != 1.0:  # at temperature 1 the same tokens have other log-probs
+        plain = compute_ref_logprobs(out, model_dir=pad_is_eos_checkpoint, micro_batch_size=4, use_ray=False)
+        assert np.abs(np.concatenate([np.asarray(x) for x in plain["ref_logprobs"]]) - want).max() > 1e-2
 
 
-def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint, temperature) -> None:
     from stages.batching import pad_rollouts
     from stages.trainer import compute_logprobs
 
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
-    ref = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False)
+    ref = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False,
+                               temperature=temperature)
     model, tok = load_policy(tiny_checkpoint)
     batch = pad_rollouts([list(p) for p in out["prompt_token_ids"]], [list(r) for r in out["response_token_ids"]],
                          tok.pad_token_id)
-    want = compute_logprobs(model, batch, 64)  # (N, L)
+    want = compute_logprobs(model, batch, 64, temperature)  # (N, L)
     for i, r in enumerate(ref["ref_logprobs"]):
         np.testing.assert_allclose(r, want[i, :len(r)].numpy(), atol=1e-5)
 

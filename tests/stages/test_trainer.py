@@ -83,3 +83,28 @@ def test_losses_match_golden(tiny_checkpoint) -> None:
     for step, (g, want) in enumerate(zip(got, golden["metrics"])):
         assert g == pytest.approx(want, rel=1e-4, abs=1e-7), f"update {step}: {dict(zip(GOLDEN_KEYS, g))}"
     assert got[0][0] != got[1][0]  # the losses really depend on the evolving weights
+
+
+@pytest.mark.parametrize("rollout_temperature,expected", [(0.7, 0.7), (1.0, 1.0), (0.0, 1.0)])
+def test_update_job_divides_logits_by_the_rollout_temperature(rollout_temperature, expected) -> None:
+    """verl's actor (and ref) log-probs use rollout.temperature; greedy rollouts (0) mean plain logits."""
+    from configs.schema import load_config
+    from stages.replay import policy_update_job
+
+    cfg = load_config("configs/ci_tiny.yaml", [f"rollout.temperature={rollout_temperature}"])
+    job = policy_update_job(cfg, 3, advantages_uri="/x", advantages_version=1, policy_dir="/p", out_dir="/o")
+    assert job["temperature"] == expected
+
+
+def test_tempered_logprobs_are_log_softmax_of_scaled_logits(tiny_checkpoint) -> None:
+    from stages.batching import pad_rollouts, response_logits
+    from stages.models import load_policy
+    from stages.trainer import compute_logprobs
+
+    model, tok = load_policy(tiny_checkpoint)
+    batch = pad_rollouts([[1, 5, 7], [2, 3]], [[4, 6], [8, 9, 10]], tok.pad_token_id)
+    logits = response_logits(model, batch)  # (2, 3, V)
+    want = torch.log_softmax(logits / 0.5, dim=-1).gather(-1, batch["responses"][..., None])[..., 0]  # (2, 3)
+    got = compute_logprobs(model, batch, 1, temperature=0.5)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-6, rtol=0)
