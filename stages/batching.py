@@ -40,6 +40,11 @@ def logprob_temperature(rollout_temperature: float) -> float:
     return float(rollout_temperature) if rollout_temperature > 0 else 1.0
 
 
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits (..., V) divided by temperature; the same tensor, not a copy, at temperature 1."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -> Tensor:
     """Logits predicting each response token, divided by `temperature`: (N, L, V).
 
@@ -49,8 +54,7 @@ def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -
     l_len = batch["responses"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False, logits_to_keep=l_len + 1)
-    logits = out.logits[:, :l_len]  # positions P-1 .. P+L-2: (N, L, V)
-    return logits if temperature == 1.0 else logits / temperature
+    return tempered(out.logits[:, :l_len], temperature)  # positions P-1 .. P+L-2: (N, L, V)
 
 
 def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:

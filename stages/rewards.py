@@ -29,7 +29,7 @@ def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "str
     tail = text[-_SOLUTION_CLIP_CHARS:]
     if method == "strict":
         found = _GSM8K_STRICT_RE.findall(tail)
-        return found[-1].replace(",", "").replace("$", "") if found else None
+        return found[-1].replace(",", "") if found else None
     numbers = [n for n in _GSM8K_FLEXIBLE_RE.findall(tail) if n not in ("", ".")]
     return numbers[-1] if numbers else None
 

@@ -130,9 +130,9 @@ def train_loop_per_worker(job: dict) -> dict[str, float]:
 def run_policy_update(job: dict, *, num_workers: int) -> dict[str, float]:
     """Run one update on the persistent worker group; returns the metrics rank 0 wrote next to the
     checkpoint (plus timing_s/update, the wall time of the whole call)."""
-    from stages.worker_group import run_with_retry
-
     import ray
+
+    from stages.worker_group import run_with_retry
 
     t0 = time.perf_counter()
     # the ranks share the node's CPUs: 1 rank on 2 cores gets 2 threads, 2 ranks get 1 each
@@ -140,7 +140,7 @@ def run_policy_update(job: dict, *, num_workers: int) -> dict[str, float]:
     job = {**job, "checkpoint_id": f"{job['run_id']}/{job['iteration']}/{time.time_ns()}", "threads_per_worker": threads}
     strategy = job["actor"].get("strategy", "torch")
     run_with_retry(f"trainer-{strategy}", num_workers, lambda g: g.run(TRAIN_LOOPS[strategy], job),
-                   threads=job.get("threads_per_worker", 1))
+                   threads=threads)
     path = Path(job["out_dir"]) / METRICS_FILE
     metrics = json.loads(path.read_text())
     metrics["timing_s/update"] = time.perf_counter() - t0

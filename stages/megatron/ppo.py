@@ -31,7 +31,7 @@ from stages.algos.losses import (
     gather_logprobs,
     masked_mean,
 )
-from stages.batching import pad_rollouts, token_advantages
+from stages.batching import pad_rollouts, tempered, token_advantages
 from stages.trainer import ACTOR_GRAD_ERROR, optimizer_step
 from stages.megatron.convert import tp_partition_dim
 
@@ -65,7 +65,7 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
         output = model(mb["input_ids"], mb["position_ids"], mb["mask4d"])
         # last stage: (n_mb, T, V_padded) logits; earlier stages: hidden states
         # (n_mb, L, V) response logits at the rollout temperature, as stages.batching.response_logits
-        return output, lambda out: loss_fn(mb, out[:, p_len - 1:p_len - 1 + l_len, :vocab_size] / temperature)
+        return output, lambda out: loss_fn(mb, tempered(out[:, p_len - 1:p_len - 1 + l_len, :vocab_size], temperature))
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
