@@ -37,7 +37,9 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, resp
     """
     assert vpreds.shape == returns.shape == old_values.shape == response_mask.shape, (
         f"{vpreds.shape=} {returns.shape=} {old_values.shape=} {response_mask.shape=}")
-    vpred_clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    # clamp vpreds itself (verl's clip_by_value): a prediction inside the range comes back bit-exact, so
+    # clipfrac counts real clipping only (old + (v - old) differs from v by rounding and made clipfrac noise)
+    vpred_clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)  # (N, L)
     loss_unclipped = (vpreds - returns).square()  # (N, L)
     loss_clipped = (vpred_clipped - returns).square()  # (N, L)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
