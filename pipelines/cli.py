@@ -1,4 +1,4 @@
-"""The `rlake` command line: train, ui, lineage, sql, replay, compare, export."""
+"""The `rlake` command line: train, ui, lineage, sql, replay, compare, export, plot."""
 from __future__ import annotations
 
 import argparse
@@ -11,25 +11,37 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _quiet_env() -> None:
-    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                       "TOKENIZERS_PARALLELISM": "false", "RAY_ACCEPT_CLOUD_SDK_WARNING": "1",
-                       "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "RAY_TRAIN_V2_ENABLED": "1",
-                       "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore"}.items():
-        os.environ.setdefault(key, value)
-    import logging
+    from pipelines.logs import quiet_env
 
+    quiet_env()
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    logging.getLogger("ray").setLevel(logging.WARNING)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    _quiet_env()
+    """Framework logs go to <output_dir>/logs/train-<time>.log (--verbose: also stderr); a live display shows progress."""
+    import time
+
+    from configs.schema import load_config
+    from pipelines.logs import route_framework_logs
+    from pipelines.progress import RunProgress
     from pipelines.runner import run_training
 
-    run_training(args.config, list(args.override), run_id=args.run_id, steps=args.steps)
+    from pydantic import ValidationError
+
+    from stages.preflight import explain_config_error
+
+    try:
+        out = Path(load_config(args.config, list(args.override)).trainer.output_dir).resolve()
+    except ValidationError as exc:
+        raise explain_config_error(exc) from None
+    log_file = route_framework_logs(out / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log", verbose=args.verbose)
+    _quiet_env()
+    with RunProgress().verbose_steps(args.verbose) as progress:
+        progress.line(f"framework logs (Ray, Dagster, MLflow, warnings): {log_file}")
+        run_training(args.config, list(args.override), run_id=args.run_id, steps=args.steps, progress=progress)
     return 0
 
 
@@ -61,7 +73,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     for item in args.version:
         name, _, v = item.partition("=")
         if not v.isdigit():
-            raise SystemExit(f"--version expects TABLE=N, got '{item}'")
+            raise ValueError(f"--version expects TABLE=N or ALIAS:TABLE=N, got '{item}'")
         versions[name] = int(v)
     with pd.option_context("display.max_rows", args.limit, "display.max_columns", 50, "display.width", 200,
                            "display.max_colwidth", 60):
@@ -127,6 +139,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from stages.plots import load_run_metrics, run_figure, save_png
+
+    tables = _tables_root(args)
+    try:
+        df = load_run_metrics(tables, args.run)
+    except LookupError as exc:
+        print(f"rlake plot: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else tables.parent / "plots" / f"{args.run}.png"
+    print(f"wrote {save_png(run_figure(df, f'run {args.run}'), out)}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved config (bases, overrides and verl names applied) and its hash."""
+    import yaml
+    from pydantic import ValidationError
+
+    from configs.compose import flatten, yaml_scalar
+    from configs.schema import load_config
+    from stages.preflight import explain_config_error
+
+    try:
+        cfg = load_config(args.config, list(args.override))
+    except ValidationError as exc:
+        raise explain_config_error(exc) from None
+    tree = cfg.model_dump(mode="json")
+    if args.yaml:
+        print(yaml.safe_dump(tree, sort_keys=False), end="")
+    else:
+        print("\n".join(f"{key}: {yaml_scalar(value)}" for key, value in flatten(tree).items()))
+    print(f"# config hash: {cfg.config_hash()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -134,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
     t.add_argument("--run-id", default=None, help="rlake run id (default: experiment_name-timestamp)")
     t.add_argument("--steps", type=int, default=None, help="override trainer.total_training_steps for this call")
+    t.add_argument("--verbose", action="store_true", help="also print Ray/Dagster/MLflow logs and warnings to stderr")
     t.add_argument("override", nargs="*", help="key.sub=value config overrides")
     t.set_defaults(fn=cmd_train)
     u = sub.add_parser("ui", help="start Dagster's webserver on 127.0.0.1")
@@ -183,6 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--experiment", default=None, help="only look in this MLflow experiment (trainer.project_name)")
     cp.add_argument("--metrics", default="", help="comma-separated metric name prefixes to show (default: all)")
     cp.set_defaults(fn=cmd_compare)
+    pl = sub.add_parser("plot", help="PNG of a run's curves from iteration_metrics: reward, response length, KL, "
+                                     "entropy, validation rewards")
+    pl.add_argument("run", help="rlake run id")
+    pl.add_argument("--out", default=None, help="PNG path (default <output_dir>/plots/<run>.png)")
+    pl.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates output_dir/tables")
+    pl.add_argument("--tables", default=None, help="tables directory (overrides --config)")
+    pl.set_defaults(fn=cmd_plot)
+    cf = sub.add_parser("config", help="print the resolved config (defaults: bases, overrides applied) and its hash")
+    cf.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    cf.add_argument("--yaml", action="store_true", help="nested YAML (a full config file) instead of key.sub: value lines")
+    cf.add_argument("override", nargs="*", help="key.sub=value config overrides")
+    cf.set_defaults(fn=cmd_config)
     return p
 
 

@@ -1,12 +1,14 @@
-"""Running a stage over a DataFrame on Ray: stateless callables as Ray Data tasks, stateful stage
-classes (holding a model) in persistent stage hosts, one contiguous block per worker."""
+"""Running a stage over a DataFrame on Ray: stateless callables as Ray tasks, stateful stage classes
+(holding a model) in persistent stage hosts, one contiguous block per worker."""
 from __future__ import annotations
+
+from functools import lru_cache
 
 import pandas as pd
 
 
 def split_frame(df: pd.DataFrame, parts: int) -> list[pd.DataFrame]:
-    """Contiguous, near-equal chunks: Ray Data blocks made in the driver, no repartition task."""
+    """Contiguous, near-equal chunks made in the driver, one per task or host (no repartition step)."""
     bounds = [round(i * len(df) / parts) for i in range(parts + 1)]
     return [df.iloc[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
@@ -16,16 +18,34 @@ MAX_ACTOR_RESTARTS = 3
 this many times; then the run fails with the worker's error instead of hanging."""
 
 
+def _call(fn, block: pd.DataFrame) -> pd.DataFrame:
+    return fn(block)
+
+
+@lru_cache(maxsize=1)
+def _remote_call():
+    """The task, defined once per process so Ray exports it once. A worker that dies is replaced and
+    its block re-run up to MAX_ACTOR_RESTARTS times, RaySystemError included (as Ray Data's tasks do);
+    an exception the stage raises is not retried. Ray Data's map_batches has no named option for a
+    retry limit (only the deprecated **ray_remote_args, removed in Ray 2.64; its default is unbounded)."""
+    import ray
+
+    return ray.remote(max_retries=MAX_ACTOR_RESTARTS, retry_exceptions=[ray.exceptions.RaySystemError],
+                      scheduling_strategy="DEFAULT")(_call)
+
+
 def map_with_tasks(df: pd.DataFrame, fn, *, parts: int, num_cpus: float = 1.0) -> pd.DataFrame:
-    """A stateless callable over `parts` contiguous blocks as Ray Data tasks.
+    """A stateless callable over `parts` contiguous blocks as Ray tasks; the output keeps block order.
 
     Tasks run in Ray's pooled worker processes, which stay warm between calls (a fresh actor pool
     per call cost seconds per iteration: imports and process start-up)."""
-    import ray.data
+    import ray
 
-    ds = ray.data.from_pandas(split_frame(df, parts))
-    return ds.map_batches(fn, batch_format="pandas", batch_size=None, num_cpus=num_cpus,
-                          max_retries=MAX_ACTOR_RESTARTS).to_pandas()
+    blocks = split_frame(df, parts)
+    if not blocks:
+        return fn(df)
+    task, fn_ref = _remote_call().options(num_cpus=num_cpus), ray.put(fn)
+    return pd.concat(ray.get([task.remote(fn_ref, block) for block in blocks]), ignore_index=True)
 
 
 _INSTANCES: dict[str, tuple[str, object]] = {}

@@ -9,7 +9,6 @@ for values near 0), to absorb a different thread count or BLAS build.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -147,11 +146,7 @@ def replay_update(cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rt
     job = policy_update_job(cfg, iteration, advantages_uri=str(out / "tables" / "advantages"),
                             advantages_version=adv_version, policy_dir=start, out_dir=scratch / f"policy_v{iteration + 1}")
     _ensure_ray(cfg)
-    kwargs = {"num_workers": cfg.actor.num_workers}
-    params = inspect.signature(run_policy_update).parameters
-    if "storage_path" in params:
-        kwargs |= {"storage_path": str(scratch / "ray_train"), "name": f"{cfg.run_id}-replay-{iteration}"}
-    run_policy_update(job, **kwargs)
+    run_policy_update(job, num_workers=cfg.actor.num_workers)
     replayed = json.loads((Path(job["out_dir"]) / METRICS_FILE).read_text())
     report = ReplayReport(cfg.run_id, iteration, adv_version)
     for name in sorted(k for k in replayed if k.startswith("actor/") and k in logged and k not in SKIP_METRICS):

@@ -1,6 +1,6 @@
 """Reward stage: score each rollout with the rule-based function of its data_source.
 
-Runs as parallel Ray Data tasks. A reward function that raises, or returns a non-finite value,
+Runs as parallel Ray tasks (stages/ray_data.py). A reward function that raises, or returns a non-finite value,
 is a clear error naming the rollout (reward.on_error='raise'), or flags the row with
 reward_error and reward NaN so downstream checks can gate it (reward.on_error='flag').
 

@@ -1,6 +1,8 @@
 """SQL over rlake's Delta tables: DuckDB reading each table's Arrow dataset (no extension download)."""
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -18,18 +20,80 @@ def connect(tables_root: str | Path, versions: dict[str, int] | None = None):
     con = duckdb.connect()
     found = []
     for path in sorted(p for p in root.iterdir() if DeltaTable.is_deltatable(str(p))):
-        dt = DeltaTable(str(path), version=versions.pop(path.name, None))
-        con.register(path.name, dt.to_pyarrow_dataset())
+        con.register(path.name, _dataset(path, path.name, versions.pop(path.name, None)))
         found.append(path.name)
     for key in [k for k in versions if ":" in k]:  # ALIAS:TABLE=N adds view ALIAS = TABLE at version N
         alias, _, name = key.partition(":")
         if name not in found:
             raise ValueError(f"--version {key}={versions[key]}: no table '{name}'; tables: {found}")
-        con.register(alias, DeltaTable(str(root / name), version=versions.pop(key)).to_pyarrow_dataset())
+        con.register(alias, _dataset(root / name, key, versions.pop(key)))
     if versions:
         raise ValueError(f"--version names unknown tables {sorted(versions)}; tables: {found}")
     return con
 
 
+def _dataset(path: Path, key: str, version: int | None):
+    """The table's Arrow dataset at `version` (latest when None); a version it lacks is a ValueError."""
+    from deltalake.exceptions import DeltaError
+
+    try:
+        return DeltaTable(str(path), version=version).to_pyarrow_dataset()
+    except DeltaError as exc:
+        if version is None:
+            raise
+        latest = DeltaTable(str(path)).version()
+        why = f"the newest is {latest}" if version > latest else str(exc).splitlines()[0]
+        raise ValueError(f"--version {key}={version}: cannot open table '{path.name}' at that version: {why}") from exc
+
+
 def query(tables_root: str | Path, sql: str, versions: dict[str, int] | None = None) -> pd.DataFrame:
-    return connect(tables_root, versions).execute(sql).fetchdf()
+    """Run `sql` over the tables; a DuckDB error becomes a one-line ValueError naming what exists."""
+    import duckdb
+
+    con = connect(tables_root, versions)
+    try:
+        return con.execute(sql).fetchdf()
+    except duckdb.Error as exc:
+        raise ValueError(explain_error(con, sql, exc)) from exc
+
+
+ALL_COLUMNS_MAX = 40
+"""An unknown column lists every table's columns when they total at most this many; else only the
+columns of the tables the query names."""
+_COLUMN = re.compile(r'[Cc]olumn (?:named |with name )?"([^"]+)"')
+_TABLE = re.compile(r'Table with name "?([^"\s!]+)"? does not exist|Referenced table "([^"]+)" not found')
+
+
+def explain_error(con, sql: str, exc: Exception) -> str:
+    """One line: DuckDB's first line, a did-you-mean, and the tables (with columns) that exist."""
+    import duckdb
+
+    first = str(exc).strip().splitlines()[0].rstrip("!") if str(exc).strip() else type(exc).__name__
+    try:
+        rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "
+                           "ORDER BY table_name, ordinal_position").fetchall()
+    except duckdb.Error:  # the connection itself is gone (interrupt, out of memory): DuckDB's line alone
+        return first
+    columns: dict[str, list[str]] = {}
+    for table, column in rows:
+        columns.setdefault(table, []).append(column)
+    tables = sorted(columns)
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", sql.lower()))
+    named = [t for t in tables if t.lower() in words]
+    column, table = _COLUMN.search(first), _TABLE.search(first)
+    if column and not table:
+        shown = tables if sum(len(c) for c in columns.values()) <= ALL_COLUMNS_MAX or not named else named
+        candidates = sorted({c for t in shown for c in columns[t]})
+        where = "; ".join(f"{t}({', '.join(columns[t])})" for t in shown)
+        return first + _did_you_mean(column.group(1), candidates) + f"; columns: {where}"
+    listing = f"; tables: {', '.join(tables) or '(none)'}"
+    if table:
+        return first + _did_you_mean(table.group(1) or table.group(2), tables) + listing
+    return first + listing if isinstance(exc, duckdb.ProgrammingError) else first  # syntax/catalog vs data errors
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    """' (did you mean 'reward'?)' for the close candidates, compared case-insensitively as DuckDB does."""
+    lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(lower[c]) for c in close)}?)" if close else ""
