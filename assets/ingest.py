@@ -6,7 +6,7 @@ import pandas as pd
 from assets.common import DATA, TRAIN, lineage, read_recorded, timed
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
-from stages.evaluate import validate_policy
+from stages.evaluate import validation_rollouts, validation_summary
 from stages.ingest import build_prompt_rows
 from stages.models import load_tokenizer
 from stages.policy_init import create_initial_policy
@@ -36,10 +36,14 @@ def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResou
     meta = create_initial_policy(cfg.model, rows[rows["split"] == "train"], out, seed=cfg.seed)
     ray.ensure()
     tok = load_tokenizer(out)
-    val = validate_policy(str(out), rows[rows["split"] == "val"], tok, cfg)
-    tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), val, step=0)
+    scored = validation_rollouts(str(out), rows[rows["split"] == "val"], tok, cfg)
+    val = validation_summary(scored, cfg.rollout.n)
+    mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)
+    tracker.log_metrics(mlflow_id, val, step=0)
     write_lineage = lineage(cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0)
     metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})
     version = rollout_store.write("iteration_metrics", metrics, run_id=cfg.run_id, iteration=PROMPTS_ITERATION,
                                   lineage=write_lineage)
+    tracker.log_iteration(mlflow_id, rollout_store.root, cfg.run_id, PROMPTS_ITERATION, metrics_version=version,
+                          policy_version=0, validation=scored)
     return dg.MaterializeResult(metadata={**meta, **val, "path": str(out), "metrics_delta_version": version})

@@ -81,7 +81,12 @@ class ModelStoreResource(dg.ConfigurableResource):
 
 
 class TrackerResource(dg.ConfigurableResource):
-    """MLflow: one MLflow run per rlake run (found by the tag rlake.run_id), metrics per iteration."""
+    """MLflow: one MLflow run per rlake run (found by the tag rlake.run_id), metrics per iteration (step =
+    policy version), Delta lineage as dataset inputs, validation samples, and a status that ends.
+
+    Status: logging a step the run has not logged yet reopens an ended run (RUNNING: a resumed run);
+    re-logging an already-logged step (re-materializing an old partition) leaves the status alone;
+    end_run sets FINISHED (the last iteration), FAILED or KILLED (rlake train on an error / Ctrl-C)."""
 
     tracking_uri: str
     experiment_name: str = "rlake"
@@ -93,16 +98,34 @@ class TrackerResource(dg.ConfigurableResource):
 
         return MlflowClient(tracking_uri=self.tracking_uri)
 
-    def run_for(self, run_id: str, cfg: RunConfig | None = None) -> str:
-        """The MLflow run id of rlake run `run_id`, created (with params and config) on first use."""
-        client = self._client()
+    def _find(self, client, run_id: str, *, create_experiment: bool):
+        """(experiment id, the MLflow run of rlake run `run_id` or None)."""
         exp = client.get_experiment_by_name(self.experiment_name)
+        if exp is None and not create_experiment:
+            return None, None
         exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment_name,
                                                                          artifact_location=self.artifact_root)
         found = client.search_runs([exp_id], filter_string=f"tags.`rlake.run_id` = '{run_id}'", max_results=1)
-        if found:
-            return found[0].info.run_id
-        run = client.create_run(exp_id, run_name=run_id, tags={"rlake.run_id": run_id})
+        return exp_id, (found[0] if found else None)
+
+    def run_for(self, run_id: str, cfg: RunConfig | None = None, *, step: int | None = None) -> str:
+        """The MLflow run id of rlake run `run_id`, created (with params, config, git commit) on first use.
+
+        With `step` (the step about to be logged): an ended run is reopened unless it already logged
+        that step, and the tag rlake.last_step keeps the highest step seen."""
+        from stages.tracking import code_tags, set_status
+
+        client = self._client()
+        exp_id, found = self._find(client, run_id, create_experiment=True)
+        if found is not None:
+            last = int(found.data.tags.get("rlake.last_step", -1))
+            if found.info.status != "RUNNING" and (step is None or step > last):
+                set_status(client, found.info.run_id, "RUNNING")
+            if step is not None and step > last:
+                client.set_tag(found.info.run_id, "rlake.last_step", str(step))
+            return found.info.run_id
+        tags = {"rlake.run_id": run_id, **code_tags(), **({"rlake.last_step": str(step)} if step is not None else {})}
+        run = client.create_run(exp_id, run_name=run_id, tags=tags)
         if cfg is not None:
             flat = pd.json_normalize(cfg.model_dump(mode="json"), sep=".").iloc[0].to_dict()
             params = [(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in sorted(flat.items())]
@@ -124,3 +147,32 @@ class TrackerResource(dg.ConfigurableResource):
         client = self._client()
         for i in range(0, len(items), 500):
             client.log_batch(mlflow_run_id, metrics=items[i:i + 500])
+
+    def log_iteration(self, mlflow_run_id: str, tables_root: str, run_id: str, iteration: int, *, metrics_version: int,
+                      policy_version: int, validation: dict[str, pd.DataFrame] | None = None) -> None:
+        """After the iteration's iteration_metrics write: its Delta table versions as dataset inputs and,
+        when it validated, samples/val_step_<policy_version>.json (stages.tracking)."""
+        from stages.tracking import log_lineage, log_validation_samples
+
+        client = self._client()
+        log_lineage(client, mlflow_run_id, tables_root, run_id, iteration, metrics_version=metrics_version)
+        if validation is not None:
+            log_validation_samples(client, mlflow_run_id, validation, policy_version=policy_version,
+                                   metrics_version=metrics_version)
+
+    def end_run(self, rlake_run_id: str, status: str, *, tables_root: str | None = None) -> str | None:
+        """End the MLflow run of rlake run `rlake_run_id` with status FINISHED, FAILED or KILLED; with
+        tables_root, first log validation_curve.png from its iteration_metrics table. Returns the MLflow
+        run id, None when the rlake run never logged to MLflow (nothing to end)."""
+        from stages.tracking import END_STATUSES, log_validation_figure, set_status
+
+        if status not in END_STATUSES:
+            raise ValueError(f"end_run status '{status}' is not an end status. Valid: {list(END_STATUSES)}")
+        client = self._client()
+        _, found = self._find(client, rlake_run_id, create_experiment=False)
+        if found is None:
+            return None
+        if tables_root is not None:
+            log_validation_figure(client, found.info.run_id, tables_root, rlake_run_id)
+        set_status(client, found.info.run_id, status)
+        return found.info.run_id

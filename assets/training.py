@@ -16,7 +16,7 @@ from stages.store import commit_lineage, table_exists
 from stages.tables import PROMPTS_ITERATION
 from stages.replay import policy_update_job
 from stages.update import METRICS_FILE, run_policy_update
-from stages.evaluate import validate_policy
+from stages.evaluate import validation_rollouts, validation_summary
 
 
 @dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=[advantages],
@@ -72,15 +72,20 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
         m |= critic_metrics(adv, read_recorded(context, rollout_store, "values", cfg.run_id, it)[0],
                             model_store.for_run(cfg.run_id).critic_dir(it + 1))
     m["timing_s/step"] = sum(m.get(f"timing_s/{k}", 0.0) for k in STEP_STAGES)
-    last = it + 1 == cfg.trainer.total_training_steps
+    last, val = it + 1 == cfg.trainer.total_training_steps, None
     if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
         ray.ensure()
         prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
-        m |= validate_policy(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
-    tracker.log_metrics(tracker.run_for(cfg.run_id, cfg), m, step=it + 1)
+        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
+        m |= validation_summary(val, cfg.rollout.n)
+    mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
+    tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
     v = rollout_store.write("iteration_metrics", rows, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="iteration_metrics", policy_version=it + 1, upstream={"scored_rollouts": s_v, "advantages": a_v}, duration_s=0))
+    tracker.log_iteration(mlflow_id, rollout_store.root, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val)
+    if last:  # the run is complete: its validation curve, then FINISHED
+        tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.root)
     keys = ("critic/score/mean", "critic/vf_loss", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/step")
     return dg.MaterializeResult(metadata={"delta_version": v, **{k: m[k] for k in keys if k in m},
                                           **{k: v for k, v in m.items() if k.startswith("val-core/")}})

@@ -17,19 +17,34 @@ def prompt_batch_frame(prompts: pd.DataFrame, tokenizer, max_prompt_length: int)
                          "prompt_text": texts, "prompt_token_ids": ids})
 
 
-def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *, use_ray: bool = True) -> dict[str, float]:
-    """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
+def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *,
+                        use_ray: bool = True) -> dict[str, pd.DataFrame]:
+    """Scored validation rollouts of the first data.val_batch_size val prompts: "greedy" (one per
+    prompt) and "sampled" (rollout.n per prompt)."""
     batch = prompt_batch_frame(val_prompts.head(cfg.data.val_batch_size), tokenizer, cfg.data.max_prompt_length)
     batch = batch.assign(group_id=batch["prompt_id"], policy_version=-1)
+    out: dict[str, pd.DataFrame] = {}
+    for mode, n in (("greedy", 1), ("sampled", cfg.rollout.n)):
+        rollouts = generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg.rollout,
+                                     max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + 7919,
+                                     greedy=mode == "greedy", n=n, use_ray=use_ray)
+        out[mode] = score_rollouts(rollouts, cfg.reward, use_ray=False)
+    return out
+
+
+def validation_summary(scored: dict[str, pd.DataFrame], n: int) -> dict[str, float]:
+    """val-core/<ds>/reward/mean@1 (greedy), val-aux/<ds>/reward/mean@<n> (sampled) and
+    val/response_length/<tag>, from validation_rollouts' output; n = rollout.n."""
     metrics: dict[str, float] = {}
-    for greedy, n, tag in ((True, 1, "mean@1"), (False, cfg.rollout.n, f"mean@{cfg.rollout.n}")):
-        out = generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg.rollout,
-                                max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + 7919,
-                                greedy=greedy, n=n, use_ray=use_ray)
-        scored = score_rollouts(out, cfg.reward, use_ray=False)
-        m = validation_metrics(scored, tag)
-        if not greedy:
+    for mode, tag in (("greedy", "mean@1"), ("sampled", f"mean@{n}")):
+        m = validation_metrics(scored[mode], tag)
+        if mode == "sampled":
             m = {k.replace("val-core/", "val-aux/"): v for k, v in m.items()}
         metrics |= m
-        metrics[f"val/response_length/{tag}"] = float(scored["response_length"].mean())
+        metrics[f"val/response_length/{tag}"] = float(scored[mode]["response_length"].mean())
     return metrics
+
+
+def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *, use_ray: bool = True) -> dict[str, float]:
+    """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
+    return validation_summary(validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray), cfg.rollout.n)

@@ -1,6 +1,7 @@
 """Two GRPO iterations of the real pipeline (Dagster in-process, local Ray, Delta, MLflow sqlite, gloo worker group)."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from deltalake import DeltaTable
@@ -79,6 +80,29 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     assert all(torch.isfinite(torch.tensor(m.value)) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss"))
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert len(summary["iterations"]) == 2
+
+
+def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
+    out, _ = trained
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("rlake-ci")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`rlake.run_id` = 'e2e-run'")
+    assert run.info.status == "FINISHED"  # the last iteration ended it
+    inputs = {}
+    for di in run.inputs.dataset_inputs:
+        tags = {t.key: t.value for t in di.tags}
+        inputs[(int(tags["rlake.iteration"]), tags["mlflow.data.context"])] = int(tags["rlake.delta_version"])
+    for it in (0, 1):
+        for name in ("prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics"):
+            (c,) = store.commit_lineage(str(out / "tables" / name), run_id="e2e-run", iteration=it)
+            assert inputs[(it, name)] == c["version"], (it, name)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "validation_curve.png" in artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "samples")} == {
+        f"samples/val_step_{v}.json" for v in (0, 1, 2)}  # test_freq 1: v0 and after each iteration
+    samples = pd.read_json(client.download_artifacts(run.info.run_id, "samples/val_step_2.json", str(out / "dl")),
+                           orient="split", dtype=False)
+    assert set(samples["policy_version"]) == {2} and {"prompt_text", "response_text", "ground_truth", "reward"} <= set(samples)
 
 
 def test_sql_over_the_run_tables(trained) -> None:
