@@ -1,0 +1,59 @@
+"""Framework noise goes to a log file, not the terminal.
+
+Ray, Ray Data, MLflow (and its alembic migrations), Dagster, transformers and Python warnings all
+log INFO lines or banners of their own. `rlake train` sends every one of them to
+`<output_dir>/logs/<name>.log`; `--verbose` also echoes them to stderr. Dagster's telemetry banner
+is switched off in the instance's dagster.yaml instead (pipelines/runner.py), where Dagster reads it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+NOISY = ("ray", "ray.data", "ray.train", "ray.serve", "mlflow", "alembic", "dagster", "transformers", "torch",
+         "urllib3", "filelock", "httpx", "py.warnings", "megatron", "vllm")
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# set before the libraries are imported: they read these once
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "TOKENIZERS_PARALLELISM": "false", "RAY_ACCEPT_CLOUD_SDK_WARNING": "1",
+             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_CONFIGURE_LOGGING": "false",
+             "TQDM_DISABLE": "1"}
+
+
+def quiet_env() -> None:
+    """Environment switches that keep libraries (and the Ray workers, which inherit them) quiet."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
+    """Send the NOISY loggers and Python warnings to log_file (and stderr when verbose); returns the file.
+
+    Libraries attach their own console handlers at import time (ray, ray.data, mlflow), so they are
+    imported here first and their handlers replaced."""
+    quiet_env()
+    import mlflow  # noqa: F401  (attaches its handlers on import unless MLFLOW_CONFIGURE_LOGGING=false)
+    import ray.data  # noqa: F401  (ray and ray.data configure their loggers on import)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
+    if verbose:
+        handlers.append(logging.StreamHandler())
+    for h in handlers:
+        h.setFormatter(logging.Formatter(FORMAT))
+    for name in NOISY:
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+        for h in handlers:
+            logger.addHandler(h)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    warnings.simplefilter("default")  # each distinct warning once, into py.warnings -> the file
+    return log_file

