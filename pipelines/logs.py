@@ -32,8 +32,10 @@ def quiet_env() -> None:
 def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
     """Send the NOISY loggers and Python warnings to log_file (and stderr when verbose); returns the file.
 
-    Libraries attach their own console handlers at import time (ray, ray.data, mlflow), so they are
-    imported here first and their handlers replaced."""
+    The handlers sit on the root logger and the NOISY loggers lose their own console handlers and
+    propagate to it: libraries attach console handlers on import (ray, ray.data, mlflow), and
+    `ray.init` strips the `ray` logger's handlers again, after which its records also reach root
+    (without a root handler Python's last-resort handler would print them)."""
     quiet_env()
     import mlflow  # noqa: F401  (attaches its handlers on import unless MLFLOW_CONFIGURE_LOGGING=false)
     import ray.data  # noqa: F401  (ray and ray.data configure their loggers on import)
@@ -44,15 +46,18 @@ def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
     handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
     if verbose:
         handlers.append(logging.StreamHandler())
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
     for h in handlers:
         h.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
     for name in NOISY:
         logger = logging.getLogger(name)
         for old in list(logger.handlers):
             logger.removeHandler(old)
-        for h in handlers:
-            logger.addHandler(h)
-        logger.propagate = False
+        logger.propagate = True
         logger.setLevel(logging.INFO)
     logging.captureWarnings(True)
     warnings.simplefilter("default")  # each distinct warning once, into py.warnings -> the file
