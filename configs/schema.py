@@ -1,19 +1,22 @@
 """rlake run configuration: the single source of truth.
 
-Every YAML file in `configs/` mirrors `RunConfig` one-to-one. Names follow verl where a verl
-knob exists (`train_batch_size`, `rollout.n`, `ppo_mini_batch_size`, `clip_ratio_low`, ...), so a
-verl user finds them where they expect. Models are frozen and forbid unknown keys, so a typo fails
-at load time with the offending key named.
+`configs/tiny_cpu.yaml` mirrors `RunConfig` one-to-one; the other YAMLs are overlays on it
+(`defaults: [tiny_cpu]` plus their differences; configs/compose.py). Names follow verl where a
+verl knob exists (`train_batch_size`, `rollout.n`, `ppo_mini_batch_size`, `clip_ratio_low`, ...),
+so a verl user finds them where they expect (verl's `actor_rollout_ref.rollout.n` is accepted too).
+Models are frozen and forbid unknown keys, so a typo fails at load time with the offending key named.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs import compose
 
 
 class _Strict(BaseModel):
@@ -79,7 +82,12 @@ class TinyModelConfig(_Strict):
     """Untied is the default: RL updates of a tied output layer also move the input embeddings of
     every digit, which measurably destabilised GRPO on the synthetic task."""
     warmstart_steps: int = 400
-    """SFT steps on a disjoint synthetic split, so RL starts from a model that knows the format."""
+    """SFT steps on a disjoint synthetic split, so RL starts from a model that knows the format (the most
+    steps when warmstart_target_loss is set)."""
+    warmstart_target_loss: float | None = None
+    """Null: a cosine schedule over warmstart_steps. Else a constant lr until the moving average of the
+    SFT loss is below this, then a linear cool-down over a fifth of the steps taken, so the warm start
+    ends at the same quality whatever the seed or the CPU's float rounding (docs/reproducibility.md)."""
     warmstart_lr: float = 3e-3
     warmstart_batch_size: int = 64
     warmstart_answer_formats: list[str] = ["#### {answer}"]
@@ -435,31 +443,13 @@ class RunConfig(_Strict):
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override '{dotted}': '{key}' is not a section")
-    node[keys[-1]] = value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a YAML config and apply `key.sub=value` overrides (values parsed as YAML)."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file '{p}' does not exist; pass a path under configs/")
-        tree = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"config file '{p}' must hold a mapping at top level, got {type(tree).__name__}")
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override '{item}' must look like key.sub=value")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    """Load a YAML config, its `defaults:` bases first (configs/compose.py), and apply `key.sub=value`
+    overrides (values parsed as YAML). verl's `actor_rollout_ref.*` names are accepted; an unknown key
+    fails with the closest valid one."""
+    tree = compose.load_tree(path, RunConfig) if path is not None else {}
+    tree = compose.apply_overrides(tree, overrides, RunConfig)
+    compose.check_known_keys(tree, RunConfig)
     return RunConfig.model_validate(tree)
 
 
