@@ -39,10 +39,10 @@ def main() -> int:
     rows = build_prompt_rows(cfg)
     train, val = rows[rows["split"] == "train"], rows[rows["split"] == "val"]
     tiny = cfg.model.tiny
-    print(f"warm start {tiny.warmstart_steps} steps x batch {tiny.warmstart_batch_size}, lr {tiny.warmstart_lr}; "
+    print(f"warm start {tiny.warmstart_steps} steps (target loss {tiny.warmstart_target_loss}) x batch {tiny.warmstart_batch_size}, lr {tiny.warmstart_lr}; "
           f"{min(len(val), cfg.data.val_batch_size)} held-out problems")
-    print("| seed | SFT threads | last SFT loss | held-out greedy | held-out sampled | seconds |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| seed | SFT threads | SFT steps | last SFT loss | held-out greedy | held-out sampled | seconds |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     set_threads = torch.set_num_threads
     for threads in (int(t) for t in args.threads.split(",")):
         models.torch.set_num_threads = lambda n, t=threads: set_threads(t)  # warmstart_sft pins 1; force t
@@ -52,7 +52,7 @@ def main() -> int:
             m = validate_policy(str(out), val, load_tokenizer(out), cfg, use_ray=False)
             greedy = next(v for k, v in m.items() if k.startswith("val-core/") and k.endswith("mean@1"))
             sampled = next(v for k, v in m.items() if k.startswith("val-aux/") and "/reward/" in k)
-            print(f"| {seed} | {threads} | {meta['warmstart_last_loss']:.4f} | {greedy:.3f} | {sampled:.3f} | "
+            print(f"| {seed} | {threads} | {meta['warmstart_steps']} | {meta['warmstart_last_loss']:.4f} | {greedy:.3f} | {sampled:.3f} | "
                   f"{time.perf_counter() - t0:.0f} |", flush=True)
     models.torch.set_num_threads = set_threads
     return 0

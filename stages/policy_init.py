@@ -26,7 +26,7 @@ def create_initial_policy(model_cfg, train_prompts: pd.DataFrame, out_dir: str |
                     enumerate(zip(train_prompts["prompt"], train_prompts["reward_model"]))]
         losses = warmstart_sft(model, tok, examples, model_cfg.tiny, seed=seed)
         if losses:
-            meta |= {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1]}
+            meta |= {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1], "warmstart_steps": len(losses)}
         save_policy(model, tok, tmp)
     else:
         from stages.smollm2 import resolve_model_path

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 CI_SIZE = ["data.synthetic.num_train=200", "data.synthetic.num_val=16", "data.synthetic.max_operand=19",
            "data.train_batch_size=8", "data.val_batch_size=16", "model.tiny.hidden_size=64",
            "model.tiny.intermediate_size=128", "model.tiny.warmstart_steps=150", "model.tiny.warmstart_batch_size=32",
+           "model.tiny.warmstart_target_loss=null",
            "rollout.name=hf", "rollout.n=4", "rollout.micro_batch_size=64", "actor.ppo_mini_batch_size=4",
            "actor.ppo_micro_batch_size=8", "actor.ppo_epochs=1", "actor.optim.lr=0.001", "reward.format_score=0.1",
            "trainer.test_freq=0", "ray.num_cpus=2"]

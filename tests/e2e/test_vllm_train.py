@@ -18,7 +18,7 @@ def test_iteration_with_vllm_rollouts(tmp_path, ray_session) -> None:
     os.environ["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
     overrides = [f"trainer.output_dir={tmp_path}", "rollout.name=auto",  # auto picks vLLM when installed
                  "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-                 "actor.ppo_micro_batch_size=8", "model.tiny.warmstart_steps=30", "data.val_batch_size=16"]
+                 "actor.ppo_micro_batch_size=8", "model.tiny.warmstart_steps=30", "model.tiny.warmstart_target_loss=null", "data.val_batch_size=16"]
     try:  # tiny_cpu's model: head_dim 32, a size vLLM's CPU attention supports (ci_tiny's 16 is not)
         run_training("configs/tiny_cpu.yaml", overrides, run_id="vllm-run", steps=2, log=lambda s: None)
     finally:
