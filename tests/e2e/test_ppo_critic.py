@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from configs.schema import load_config
 from mlflow.tracking import MlflowClient
 
 from stages import store
@@ -28,7 +28,8 @@ def ci_sized_overrides() -> list[str]:
         for k, v in tree.items():
             out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
         return out
-    keep = [(k, v) for k, v in flat(yaml.safe_load((ROOT / "configs" / "ci_tiny.yaml").read_text()))
+    resolved = load_config(ROOT / "configs" / "ci_tiny.yaml").model_dump(mode="json")  # ci_tiny is an overlay
+    keep = [(k, v) for k, v in flat(resolved)
             if not k.startswith(("algorithm.", "critic.", "trainer.experiment_name", "trainer.project_name"))]
     return [f"{k}={json.dumps(v)}" for k, v in keep]
 
