@@ -8,6 +8,8 @@ materializations), polled by a background thread, so the assets know nothing abo
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,9 @@ class RunProgress:
 
     def __init__(self, *, live: bool | None = None, log: Callable[[str], None] | None = None,
                  console: Console | None = None) -> None:
-        self.console = console or Console(highlight=False)
+        # a duplicate of the terminal's stdout, taken before any Dagster run: execute_in_process captures
+        # fd 1 into its compute logs while a step runs, which froze the live display for whole stages
+        self.console = console or Console(file=_own_stdout(), highlight=False)
         self.live = self.console.is_terminal if live is None else live
         self._log = log
         self._bar: Progress | None = None
@@ -41,7 +45,7 @@ class RunProgress:
         elif self._bar is not None:
             self._bar.console.print(text, markup=False)
         else:
-            print(text, flush=True)
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     # -- the live display --------------------------------------------------------------------
     def __enter__(self) -> RunProgress:
@@ -147,3 +151,11 @@ class RunProgress:
 def plain(log: Callable[[str], None] = print) -> RunProgress:
     """Plain lines through `log` (tests pass `lambda s: None`)."""
     return RunProgress(live=False, log=log)
+
+
+def _own_stdout():
+    """A new file on the process's stdout descriptor, or sys.stdout where it has none (a test's capture)."""
+    try:
+        return os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and ValueError
+        return sys.stdout

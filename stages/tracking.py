@@ -26,8 +26,9 @@ from stages.store import commit_lineage, table_exists
 LINEAGE_TABLES = ("prompts", "prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "values", "advantages",
                   "iteration_metrics")
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
-SAMPLE_COLUMNS = ["policy_version", "sampling", "prompt_id", "sample_index", "data_source", "prompt_text",
-                  "response_text", "ground_truth", "reward", "response_length", "finish_reason"]
+SAMPLE_COLUMNS = ["prompt_text", "response_text", "ground_truth", "reward", "policy_version", "sampling", "prompt_id",
+                  "sample_index", "data_source", "response_length", "finish_reason"]
+"""What a reader looks at first comes first (MLflow's table view shows the leftmost columns)."""
 VALIDATION_FIGURE = "validation_curve.png"
 
 
@@ -89,7 +90,9 @@ def delta_dataset_input(entry: dict[str, Any], iteration: int):
     # built by hand: DeltaDatasetSource.to_dict() drops a version of 0 (falsy); from_dict reads this back
     source = json.dumps({"path": entry["uri"], "delta_table_version": version})
     digest = hashlib.sha256(f"{entry['table']}\n{source}".encode()).hexdigest()[:8]
-    profile = {k: entry.get(k) for k in ("run_id", "iteration", "stage", "policy_version", "upstream", "code_version")}
+    # the UI shows the profile (not the source or the input tags): the version and path go there too
+    profile = {"delta_version": version, "path": entry["uri"],
+               **{k: entry.get(k) for k in ("run_id", "iteration", "stage", "policy_version", "upstream", "code_version")}}
     dataset = Dataset(name=entry["table"], digest=digest, source_type=DeltaDatasetSource._get_source_type(),
                       source=source, profile=json.dumps(profile, default=str))
     tags = [InputTag("mlflow.data.context", entry["table"]), InputTag("rlake.iteration", str(iteration)),

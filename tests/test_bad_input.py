@@ -215,7 +215,7 @@ def test_export_writes_a_plain_hf_dir_that_transformers_loads(tmp_path, capsys, 
     (ckpt / "update_metrics.json").write_text("{}")
     (ckpt / "trainer_state.json").write_text("{}")
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(Path(CI).read_text().replace("output_dir: rlake_output/ci", f"output_dir: {tmp_path / 'out'}"))
+    cfg.write_text(f"defaults: ['{Path(CI).resolve()}']\ntrainer:\n  output_dir: {tmp_path / 'out'}\n")  # an overlay
     rc = main(["export", "--config", str(cfg), "--run-id", "R", "--version", "3", "--out", str(tmp_path / "hf")])
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["architecture"] == "Qwen2ForCausalLM"

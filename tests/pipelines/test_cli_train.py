@@ -5,6 +5,7 @@ import io
 import os
 import pty
 import re
+import select
 import subprocess
 import sys
 import time
@@ -23,20 +24,32 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
 
 def _run_in_terminal(cmd: list[str], env: dict, timeout: float = 600) -> tuple[int, str]:
-    """Run cmd with stdout/stderr on a pseudo-terminal (as in a shell); returns (exit code, output)."""
+    """Run cmd with stdout/stderr on a pseudo-terminal (as in a shell); returns (exit code, output).
+
+    Reads with select so neither a silent child nor a grandchild that keeps the terminal open after
+    the child exited (a Ray worker) can block the test; the child is killed after `timeout`."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                            start_new_session=True)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # every writer closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        else:
+            proc.kill()
+    finally:
+        os.close(master)
     return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
 
 
