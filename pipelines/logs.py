@@ -58,7 +58,7 @@ def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
         for old in list(logger.handlers):
             logger.removeHandler(old)
         logger.propagate = True
-        logger.setLevel(logging.INFO)
+        logger.setLevel(logging.WARNING if name == "torch" else logging.INFO)  # torch's INFO: cache stats at exit
     logging.captureWarnings(True)
     warnings.simplefilter("default")  # each distinct warning once, into py.warnings -> the file
     return log_file
