@@ -37,8 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         out = Path(load_config(args.config, list(args.override)).trainer.output_dir).resolve()
     except ValidationError as exc:
         raise explain_config_error(exc) from None
-    log_file = route_framework_logs(out / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log", verbose=args.verbose)
     _quiet_env()
+    log_file = route_framework_logs(out / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log", verbose=args.verbose)
     with RunProgress().verbose_steps(args.verbose) as progress:
         progress.line(f"framework logs (Ray, Dagster, MLflow, warnings): {log_file}")
         run_training(args.config, list(args.override), run_id=args.run_id, steps=args.steps, progress=progress)

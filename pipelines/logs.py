@@ -39,9 +39,7 @@ def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
     quiet_env()
     import mlflow  # noqa: F401  (attaches its handlers on import unless MLFLOW_CONFIGURE_LOGGING=false)
     import ray.data  # noqa: F401  (ray and ray.data configure their loggers on import)
-    import transformers
 
-    transformers.utils.logging.disable_progress_bar()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
     if verbose:

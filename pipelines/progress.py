@@ -34,6 +34,7 @@ class RunProgress:
         self._bar: Progress | None = None
         self._task = None
         self._fields = {"stage": "starting", "detail": "", "stats": ""}
+        self._stats: dict[str, str] = {}  # rendered into _fields["stats"]
         self._durations: list[float] = []
         self._remaining = 0
 
@@ -133,12 +134,11 @@ class RunProgress:
             return
         mat = event.step_materialization_data.materialization
         meta = {k: v.value for k, v in mat.metadata.items()}
-        stats = dict(s.split("=", 1) for s in self._fields["stats"].split() if "=" in s)
         if "tokens_per_s" in meta:
-            stats["tok/s"] = f"{float(meta['tokens_per_s']):.0f}"
+            self._stats["tok/s"] = f"{float(meta['tokens_per_s']):.0f}"
         if "reward_mean" in meta:
-            stats["reward"] = f"{float(meta['reward_mean']):.3f}"
-        self._update(stats=" ".join(f"{k}={v}" for k, v in stats.items()))
+            self._stats["reward"] = f"{float(meta['reward_mean']):.3f}"
+        self._update(stats=" ".join(f"{k}={v}" for k, v in self._stats.items()))
 
     _verbose_steps = False
 

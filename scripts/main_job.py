@@ -115,10 +115,11 @@ def environment() -> dict:
             packages[name] = version(name)
         except PackageNotFoundError:
             pass
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    from stages.store import code_version  # the commit every Delta write records (+dirty when modified)
+
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"packages": packages, "commit": commit.strip() or "unknown", "date": time.strftime("%Y-%m-%d"),
+    return {"packages": packages, "commit": code_version(), "date": time.strftime("%Y-%m-%d"),
             "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"}
 
 
