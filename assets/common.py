@@ -7,8 +7,8 @@ from contextlib import contextmanager
 import dagster as dg
 import pandas as pd
 
-from stages import store
-from stages.tables import PROMPTS_ITERATION
+from stages.io import store
+from stages.io.tables import PROMPTS_ITERATION
 
 iterations = dg.DynamicPartitionsDefinition(name="iteration")
 

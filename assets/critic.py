@@ -11,7 +11,8 @@ import numpy as np
 from assets.common import TRAIN, iterations, lineage, read_recorded, timed
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
 from assets.scoring import advantages, scored_rollouts
-from stages.critic import prune_critics, require_critic, run_critic_update, update_rows, values_frame
+from stages.train.critic import prune_critics, require_critic, run_critic_update, update_rows, values_frame
+from stages import seeds
 
 
 @dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts],
@@ -45,7 +46,7 @@ def critic_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigRe
     ms = model_store.for_run(cfg.run_id)
     out = ms.critic_dir(it + 1)
     metrics = run_critic_update(require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"),
-                                out, update_rows(adv, vals), cfg.critic, n_per_prompt=cfg.rollout.n, seed=cfg.seed * 7 + it)
+                                out, update_rows(adv, vals), cfg.critic, n_per_prompt=cfg.rollout.n, seed=seeds.update(cfg.seed, it))
     pruned = prune_critics(ms, cfg.trainer.save_freq, latest=it + 1)
     return dg.MaterializeResult(metadata={**metrics, "critic_version": it + 1, "path": str(out), "pruned_versions": pruned,
                                           "advantages_version": int(adv_version), "values_version": int(values_version)})

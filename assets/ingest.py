@@ -7,10 +7,10 @@ from assets.common import DATA, TRAIN, lineage, read_recorded, timed
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
 from stages.evaluate import validation_rollouts, validation_summary
-from stages.ingest import build_prompt_rows
-from stages.models import load_tokenizer
-from stages.policy_init import create_initial_policy
-from stages.tables import PROMPTS_ITERATION
+from stages.prompts import build_prompt_rows
+from stages.models.policy import load_tokenizer
+from stages.initial_policy import create_initial_policy
+from stages.io.tables import PROMPTS_ITERATION
 
 
 @dg.asset(group_name=DATA, kinds={"delta"})

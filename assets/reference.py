@@ -6,7 +6,7 @@ import numpy as np
 from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from assets.rollout import rollouts
-from stages.batching import logprob_temperature
+from stages.train.batching import logprob_temperature
 from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs
 
 

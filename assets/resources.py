@@ -13,8 +13,8 @@ import dagster as dg
 import pandas as pd
 
 from configs.schema import RunConfig, load_config
-from stages import store
-from stages.checkpoints import ModelStore
+from stages.io import store
+from stages.io.checkpoints import ModelStore
 
 
 @lru_cache(maxsize=16)
@@ -113,7 +113,7 @@ class TrackerResource(dg.ConfigurableResource):
 
         With `step` (the step about to be logged): an ended run is reopened unless it already logged
         that step, and the tag rlake.last_step keeps the highest step seen."""
-        from stages.tracking import code_tags, set_status
+        from stages.io.tracking import code_tags, set_status
 
         client = self._client()
         exp_id, found = self._find(client, run_id, create_experiment=True)
@@ -151,8 +151,8 @@ class TrackerResource(dg.ConfigurableResource):
     def log_iteration(self, mlflow_run_id: str, tables_root: str, run_id: str, iteration: int, *, metrics_version: int,
                       policy_version: int, validation: dict[str, pd.DataFrame] | None = None) -> None:
         """After the iteration's iteration_metrics write: its Delta table versions as dataset inputs and,
-        when it validated, samples/val_step_<policy_version>.json (stages.tracking)."""
-        from stages.tracking import log_lineage, log_validation_samples
+        when it validated, samples/val_step_<policy_version>.json (stages.io.tracking)."""
+        from stages.io.tracking import log_lineage, log_validation_samples
 
         client = self._client()
         log_lineage(client, mlflow_run_id, tables_root, run_id, iteration, metrics_version=metrics_version)
@@ -164,7 +164,7 @@ class TrackerResource(dg.ConfigurableResource):
         """End the MLflow run of rlake run `rlake_run_id` with status FINISHED, FAILED or KILLED; with
         tables_root, first log validation_curve.png from its iteration_metrics table. Returns the MLflow
         run id, None when the rlake run never logged to MLflow (nothing to end)."""
-        from stages.tracking import END_STATUSES, log_validation_figure, set_status
+        from stages.io.tracking import END_STATUSES, log_validation_figure, set_status
 
         if status not in END_STATUSES:
             raise ValueError(f"end_run status '{status}' is not an end status. Valid: {list(END_STATUSES)}")

@@ -6,10 +6,11 @@ import pandas as pd
 from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
 from assets.ingest import initial_policy, prompts
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.dynamic_sampling import iteration_prompts, sample_rollouts
-from stages.evaluate import prompt_batch_frame
-from stages.models import load_tokenizer
-from stages.tables import PROMPTS_ITERATION
+from stages.rollout import sample_rollouts
+from stages.prompt_batch import iteration_prompts
+from stages.prompt_batch import prompt_batch_frame
+from stages.models.policy import load_tokenizer
+from stages.io.tables import PROMPTS_ITERATION
 
 
 @dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"delta"}, deps=[prompts, initial_policy])

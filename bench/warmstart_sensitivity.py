@@ -3,7 +3,7 @@
     python bench/warmstart_sensitivity.py --seeds 0,1,2,3 --threads 1,2 [key.sub=value ...]
 
 For each (seed, SFT thread count) it builds policy v0 exactly as the main job does
-(`stages.policy_init.create_initial_policy`) and validates it on the held-out split in-process
+(`stages.initial_policy.create_initial_policy`) and validates it on the held-out split in-process
 (`stages.evaluate.validate_policy`, HF engine). A different thread count changes only the order of
 float sums, i.e. what another CPU would do. Results: docs/reproducibility.md.
 """
@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import load_config  # noqa: E402
-from stages import models  # noqa: E402
+from stages.models import tiny as models  # noqa: E402
 from stages.evaluate import validate_policy  # noqa: E402
-from stages.ingest import build_prompt_rows  # noqa: E402
-from stages.models import load_tokenizer  # noqa: E402
-from stages.policy_init import create_initial_policy  # noqa: E402
+from stages.prompts import build_prompt_rows  # noqa: E402
+from stages.models.policy import load_tokenizer  # noqa: E402
+from stages.initial_policy import create_initial_policy  # noqa: E402
 
 
 def main() -> int:

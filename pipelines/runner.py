@@ -38,8 +38,8 @@ def run_training(config_path: str, overrides: list[str], *, run_id: str | None =
     from pydantic import ValidationError
 
     from configs.schema import load_config
-    from stages.preflight import explain_config_error, preflight
-    from stages.resume import plan_resume
+    from stages.run.preflight import explain_config_error, preflight
+    from stages.run.resume import plan_resume
 
     progress = progress or plain(log)
     overrides = list(overrides)
@@ -134,15 +134,15 @@ def _fail_stale_runs(instance, run_id: str) -> list[str]:
 
 
 def _model_store(out: Path, run_id: str):
-    from stages.checkpoints import ModelStore
+    from stages.io.checkpoints import ModelStore
 
     return ModelStore(out / "checkpoints", run_id)
 
 
 def _save_trainer_state(cfg, out: Path, run_id: str, version: int) -> None:
     """trainer_state.json next to policy_v<version> (when that version is kept after pruning)."""
-    from stages.resume import trainer_state, write_trainer_state
-    from stages.store import read_partition
+    from stages.run.resume import trainer_state, write_trainer_state
+    from stages.io.store import read_partition
 
     policy_dir = _model_store(out, run_id).policy_dir(version)
     if not (policy_dir / "config.json").is_file():

@@ -55,7 +55,7 @@ def parse_timings(stdout: str) -> dict:
 
 def newest_run(tables: Path) -> str:
     """The run of the newest iteration_metrics commit."""
-    from stages.store import commit_lineage, table_exists
+    from stages.io.store import commit_lineage, table_exists
 
     uri = str(tables / "iteration_metrics")
     commits = commit_lineage(uri) if table_exists(uri) else []
@@ -115,7 +115,7 @@ def environment() -> dict:
             packages[name] = version(name)
         except PackageNotFoundError:
             pass
-    from stages.store import code_version  # the commit every Delta write records (+dirty when modified)
+    from stages.io.store import code_version  # the commit every Delta write records (+dirty when modified)
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()

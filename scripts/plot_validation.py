@@ -1,4 +1,4 @@
-"""Plot a run's validation curve from the iteration_metrics Delta table (stages.plots.validation_figure).
+"""Plot a run's validation curve from the iteration_metrics Delta table (stages.io.plots.validation_figure).
 
 Greedy pass@1 (`val-core/<ds>/reward/mean@1`) and sampled mean@k (`val-aux/<ds>/reward/mean@k`)
 against the policy version, with the training reward (`critic/score/mean`, the policy version
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from stages.plots import load_run_metrics, save_png, validation_figure, validation_rewards
+    from stages.io.plots import load_run_metrics, save_png, validation_figure, validation_rewards
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", default="rlake_output/smollm2/tables")

@@ -20,7 +20,8 @@ def main() -> None:
     import transformers
 
     from configs.schema import TinyModelConfig
-    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
     from test_trainer import GOLDEN_KEYS, golden_losses  # noqa: E402
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,16 +5,9 @@ import pandas as pd
 
 from stages.metrics import validation_metrics
 from stages.reward import score_rollouts
-from stages.rollout import generate_rollouts, tokenize_prompts
-
-
-def prompt_batch_frame(prompts: pd.DataFrame, tokenizer, max_prompt_length: int) -> pd.DataFrame:
-    """prompts rows -> the columns the rollout stage needs (prompt_token_ids, prompt_text, ...)."""
-    ids, texts = tokenize_prompts(list(prompts["prompt"]), tokenizer, max_prompt_length,
-                                  prompt_ids=list(prompts["prompt_id"]))
-    return pd.DataFrame({"prompt_id": prompts["prompt_id"].to_numpy(), "data_source": prompts["data_source"].to_numpy(),
-                         "ground_truth": [rm["ground_truth"] for rm in prompts["reward_model"]],
-                         "prompt_text": texts, "prompt_token_ids": ids})
+from stages.rollout import generate_rollouts
+from stages.prompt_batch import prompt_batch_frame
+from stages import seeds
 
 
 def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *,
@@ -26,7 +19,7 @@ def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cf
     out: dict[str, pd.DataFrame] = {}
     for mode, n in (("greedy", 1), ("sampled", cfg.rollout.n)):
         rollouts = generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg.rollout,
-                                     max_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed + 7919,
+                                     max_tokens=cfg.data.max_response_length, seed=seeds.validation(cfg.rollout.seed),
                                      greedy=mode == "greedy", n=n, use_ray=use_ray)
         out[mode] = score_rollouts(rollouts, cfg.reward, use_ray=False)
     return out

@@ -2,7 +2,7 @@
 reference policy (policy version 0 of the run), for KL as a loss (actor.use_kl_loss) or in the
 reward (algorithm.use_kl_in_reward).
 
-The math is the trainer's old-log-prob recomputation (stages.batching.pad_rollouts +
+The math is the trainer's old-log-prob recomputation (stages.train.batching.pad_rollouts +
 response_logits, stages.algos.losses.gather_logprobs, micro-batched) at the same temperature (the
 rollout's sampling temperature, as verl's ref), so at iteration 0 the reference log-probs equal the
 trainer's old log-probs and the rollout engine's (a test checks 1e-4). The model loads once per
@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from stages.algos.losses import gather_logprobs
-from stages.batching import pad_rollouts, response_logits
-from stages.ray_data import map_with_actor_pool
+from stages.train.batching import pad_rollouts, response_logits
+from stages.workers.tasks import map_with_actor_pool
 
 REF_POLICY_VERSION = 0
 """verl's reference policy is the initial actor; in rlake that is policy version 0 of the run."""
@@ -27,7 +27,7 @@ class RefLogprobStage:
 
     def __init__(self, model_dir: str, micro_batch_size: int = 64, num_threads: int | None = None,
                  ref_policy_version: int = REF_POLICY_VERSION, temperature: float = 1.0) -> None:
-        from stages.models import load_policy
+        from stages.models.policy import load_policy
 
         if num_threads:
             torch.set_num_threads(num_threads)

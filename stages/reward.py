@@ -1,6 +1,6 @@
 """Reward stage: score each rollout with the rule-based function of its data_source.
 
-Runs as parallel Ray tasks (stages/ray_data.py). A reward function that raises, or returns a non-finite value,
+Runs as parallel Ray tasks (stages/workers/tasks.py). A reward function that raises, or returns a non-finite value,
 is a clear error naming the rollout (reward.on_error='raise'), or flags the row with
 reward_error and reward NaN so downstream checks can gate it (reward.on_error='flag').
 
@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 
 from stages.algos.dapo import overlong_reward_penalty
-from stages.rewards import reward_fn_for
-from stages.ray_data import map_with_tasks
+from stages.data.rewards import reward_fn_for
+from stages.workers.tasks import map_with_tasks
 
 
 @functools.cache

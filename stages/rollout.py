@@ -8,28 +8,17 @@ logprobs and finish reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from stages.engines import SamplingSpec, build_engine, resolve_engine_name
-from stages.models import encode_chat
-from stages.ray_data import split_frame
-
-
-def tokenize_prompts(messages: list[list[dict]], tokenizer, max_prompt_length: int,
-                     prompt_ids: list[int] | None = None) -> tuple[list[list[int]], list[str]]:
-    """Chat-template and tokenize prompts; a prompt over the limit is a clear error."""
-    ids, texts = [], []
-    for i, msgs in enumerate(messages):
-        toks, text = encode_chat(tokenizer, msgs)
-        if len(toks) > max_prompt_length:
-            which = prompt_ids[i] if prompt_ids is not None else i
-            raise ValueError(f"prompt {which} has {len(toks)} tokens, over data.max_prompt_length "
-                             f"({max_prompt_length}); raise the limit or filter long prompts: {text[:80]!r}...")
-        ids.append(list(toks))
-        texts.append(text)
-    return ids, texts
+from stages.models.engines import SamplingSpec, build_engine, resolve_engine_name
+from stages.filter_groups import generate_until_full
+from stages.reward import score_rollouts
+from stages.workers.tasks import split_frame
+from stages import seeds
 
 
 def sampling_from_config(rollout_cfg, max_tokens: int, *, seed: int, greedy: bool = False,
@@ -79,7 +68,7 @@ class RolloutStage:
     def generate(self, batch: pd.DataFrame, sampling: SamplingSpec) -> pd.DataFrame:
         """One row per (prompt row, sample) with token ids, logprobs, finish reason and timings."""
         t0 = time.perf_counter()
-        seed = None if sampling.seed is None else sampling.seed * 1_000_003 + int(batch["prompt_id"].min())
+        seed = None if sampling.seed is None else seeds.engine_shard(sampling.seed, int(batch["prompt_id"].min()))
         spec = SamplingSpec(**{**sampling.__dict__, "seed": seed})
         outs = self.engine.generate([list(map(int, p)) for p in batch["prompt_token_ids"]], spec)
         rows = []
@@ -140,7 +129,7 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
     threads = 2 if workers == 1 else 1
     args = (model_dir, rollout_cfg.name, rollout_cfg.micro_batch_size, threads)
     if use_ray:
-        from stages.worker_group import run_with_retry
+        from stages.workers.group import run_with_retry
 
         shards = split_frame(prompt_batch, min(workers, len(prompt_batch)))
         calls = [("stages.rollout:host_generate", *args, shard, spec) for shard in shards]
@@ -152,3 +141,42 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)
     out["rollout_id"] = range(len(out))
     return out
+
+
+def add_greedy_baselines(sampled: pd.DataFrame, prompts: pd.DataFrame,
+                         generate_greedy: Callable[[pd.DataFrame], pd.DataFrame]) -> pd.DataFrame:
+    """`sampled` plus one greedy response per group it holds (ReMax), marked is_baseline with sample_index -1
+    and rollout_ids after the sampled ones (unique in the iteration); sampled rows get is_baseline False.
+
+    prompts: the prompt rows (one per group_id, as in the prompt batch); generate_greedy(prompts) -> one
+    rollout per prompt row, carrying its group_id."""
+    groups = prompts[prompts["group_id"].isin(set(sampled["group_id"]))].reset_index(drop=True)
+    greedy = generate_greedy(groups)
+    if len(greedy) != len(groups) or set(greedy["group_id"]) != set(groups["group_id"]):
+        raise ValueError(f"the greedy baseline pass returned {len(greedy)} rollouts for {len(groups)} prompts; "
+                         "ReMax needs exactly one per prompt (generate with n=1)")
+    start = int(sampled["rollout_id"].max()) + 1
+    greedy = greedy.assign(sample_index=-1, is_baseline=True, rollout_id=np.arange(start, start + len(greedy)))
+    return pd.concat([sampled.assign(is_baseline=False), greedy], ignore_index=True)
+
+def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg, iteration: int) -> pd.DataFrame:
+    """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full; with
+    adv_estimator='remax' plus one greedy baseline row per generated prompt (add_greedy_baselines).
+    batch: a prompt_batches partition with group_id and policy_version set."""
+    def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
+        return generate_rollouts(prompts, model_dir=model_dir, rollout_cfg=cfg.rollout,
+                                 max_tokens=cfg.data.max_response_length, seed=seeds.rollout(cfg.rollout.seed, iteration, r))
+
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        out = generate(batch, 0).assign(gen_round=0)
+    else:
+        out = generate_until_full(
+            batch, generate, lambda out: score_rollouts(out, cfg.reward, use_ray=False,
+                                                        max_response_length=cfg.data.max_response_length),
+            metric=fg.metric, correct_score=cfg.reward.score, need_groups=cfg.data.train_batch_size)
+    if cfg.algorithm.adv_estimator != "remax":
+        return out
+    return add_greedy_baselines(out, batch, lambda prompts: generate_rollouts(
+        prompts, model_dir=model_dir, rollout_cfg=cfg.rollout, max_tokens=cfg.data.max_response_length,
+        seed=seeds.rollout(cfg.rollout.seed, iteration), greedy=True, n=1))

@@ -1,7 +1,7 @@
-"""Policy-update stage: PPO epochs on a persistent gloo worker group (stages.worker_group).
+"""Policy-update stage: PPO epochs on a persistent gloo worker group (stages.workers.group).
 
 Each worker reads the iteration's rows from the advantages Delta table at the recorded version,
-takes its contiguous share of every mini-batch, runs `stages.trainer.ppo_update` under DDP, and
+takes its contiguous share of every mini-batch, runs `stages.train.actor.ppo_update` under DDP, and
 rank 0 writes the new HF checkpoint (plus optimizer state and metrics) into the model store.
 
 The workers live for the whole run and keep the policy and optimizer they just wrote resident:
@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import torch
+from stages import seeds
 
 OPTIMIZER_FILE = "optimizer.pt"
 METRICS_FILE = "update_metrics.json"
 CHECKPOINT_ID = "checkpoint_id.txt"
-TRAIN_LOOPS = {"torch": "stages.update:train_loop_per_worker", "megatron": "stages.megatron:train_loop_per_worker"}
+TRAIN_LOOPS = {"torch": "stages.update:train_loop_per_worker", "megatron": "stages.train.megatron:train_loop_per_worker"}
 
 _RESIDENT: dict = {}
 """In a persistent worker: {"dir", "id", "optim", "model", "opt", "sched", "tok"} of the last checkpoint written."""
@@ -34,7 +35,7 @@ def shard_for_rank(n: int, mini: int, rank: int, world: int) -> list[int]:
 
 
 def _worker_rows(job: dict, rank: int, world: int) -> dict:
-    from stages.store import read_partition
+    from stages.io.store import read_partition
 
     df = read_partition(job["advantages_uri"], job["run_id"], job["iteration"], version=job["advantages_version"])
     df = df.sort_values("rollout_id").reset_index(drop=True)
@@ -58,8 +59,8 @@ def checkpoint_id(policy_dir: str | Path) -> str | None:
 
 def _load_state(job: dict, actor_cfg):
     """(model, optimizer, scheduler, tokenizer, loaded_from_disk) for job["policy_dir"]."""
-    from stages.models import load_policy
-    from stages.trainer import make_optimizer
+    from stages.models.policy import load_policy
+    from stages.train.actor import make_optimizer
 
     res, want = _RESIDENT, checkpoint_id(job["policy_dir"])
     if (res.get("dir") == str(Path(job["policy_dir"]).resolve()) and want is not None and res.get("id") == want
@@ -79,7 +80,7 @@ def _load_state(job: dict, actor_cfg):
 def write_checkpoint(out_dir: str | Path, model, tok, opt_state: dict, sched_state: dict, metrics: dict,
                      ckpt_id: str | None) -> None:
     """HF model + optimizer state + metrics (+ id), atomically: the directory is complete or absent."""
-    from stages.models import save_policy
+    from stages.models.policy import save_policy
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -100,12 +101,12 @@ def train_loop_per_worker(job: dict) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel
 
     from configs.schema import ActorConfig
-    from stages.trainer import ppo_update
+    from stages.train.actor import ppo_update
 
     torch.set_num_threads(job.get("threads_per_worker", 1))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     actor_cfg = ActorConfig.model_validate(job["actor"])
-    torch.manual_seed(job["seed"] * 1000 + rank)
+    torch.manual_seed(seeds.update_rank(job["seed"], rank))
     t0 = time.perf_counter()
     model, opt, sched, tok, from_disk = _load_state(job, actor_cfg)
     ddp = DistributedDataParallel(model) if world > 1 else None
@@ -132,7 +133,7 @@ def run_policy_update(job: dict, *, num_workers: int) -> dict[str, float]:
     checkpoint (plus timing_s/update, the wall time of the whole call)."""
     import ray
 
-    from stages.worker_group import run_with_retry
+    from stages.workers.group import run_with_retry
 
     t0 = time.perf_counter()
     # the ranks share the node's CPUs: 1 rank on 2 cores gets 2 threads, 2 ranks get 1 each

@@ -36,7 +36,8 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     import transformers
 
     from configs.schema import TinyModelConfig
-    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     transformers.utils.logging.disable_progress_bar()
     out = tmp_path_factory.mktemp("tiny") / "policy_v0"

@@ -72,7 +72,7 @@ def test_unknown_data_source(tmp_path, capsys) -> None:
     bad = _parquet(tmp_path, _verl_rows(data_source=["my/unknown_set"] * 12))
     _fails_early(tmp_path, capsys, f"data.train_files=[{bad}]",
                  match=["No reward function for data_source 'my/unknown_set'", "Known: [",
-                        "register one in stages.rewards.REWARD_FNS"])
+                        "register one in stages.data.rewards.REWARD_FNS"])
 
 
 def test_prompt_longer_than_the_limit(tmp_path, capsys) -> None:
@@ -122,7 +122,7 @@ def test_model_path_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
 def test_resume_from_a_checkpoint_of_another_architecture(tmp_path, capsys, tiny_checkpoint) -> None:
     """tiny_checkpoint has hidden_size 64 (ci_tiny's); the run asks for 128."""
     from configs.schema import load_config
-    from stages.resume import trainer_state, write_trainer_state
+    from stages.run.resume import trainer_state, write_trainer_state
 
     ckpt = tmp_path / "out" / "checkpoints" / "bad" / "policy_v1"
     shutil.copytree(tiny_checkpoint, ckpt)
@@ -136,7 +136,7 @@ def test_resume_from_a_checkpoint_of_another_architecture(tmp_path, capsys, tiny
 
 def test_resume_with_a_changed_config_is_refused(tmp_path, capsys, tiny_checkpoint) -> None:
     from configs.schema import load_config
-    from stages.resume import trainer_state, write_trainer_state
+    from stages.run.resume import trainer_state, write_trainer_state
 
     ckpt = tmp_path / "out" / "checkpoints" / "bad" / "policy_v1"
     shutil.copytree(tiny_checkpoint, ckpt)
@@ -156,7 +156,7 @@ def _rollouts(texts: list[str], source: str) -> pd.DataFrame:
 @pytest.fixture
 def broken_reward(monkeypatch):
     """A user reward function (registered the way users register one) that raises or returns NaN."""
-    from stages.rewards import REWARD_FNS
+    from stages.data.rewards import REWARD_FNS
 
     def broken(text, gt, **kw):
         if text == "boom":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from stages import store
+from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -7,9 +7,9 @@ import torch
 from deltalake import DeltaTable
 from mlflow.tracking import MlflowClient
 
-from stages import store
-from stages.models import load_policy
-from stages.tables import SCHEMAS
+from stages.io import store
+from stages.models.policy import load_policy
+from stages.io.tables import SCHEMAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 TABLES = ("prompts", "prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics")
@@ -106,7 +106,7 @@ def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
 
 
 def test_sql_over_the_run_tables(trained) -> None:
-    from stages.sql import query
+    from stages.io.sql import query
 
     out, _ = trained
     df = query(out / "tables", "SELECT iteration, count(*) AS n, avg(reward) AS r FROM scored_rollouts "

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from stages import store
-from stages.models import load_policy
+from stages.io import store
+from stages.models.policy import load_policy
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]

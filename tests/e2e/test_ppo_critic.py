@@ -12,8 +12,8 @@ import torch
 from configs.schema import load_config
 from mlflow.tracking import MlflowClient
 
-from stages import store
-from stages.critic import load_critic
+from stages.io import store
+from stages.train.critic import load_critic
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from pipelines.cli import main
-from stages import store
-from stages.replay import REPLAY_RTOL
+from stages.io import store
+from stages.run.replay import REPLAY_RTOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 RUN = "replay-run"

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from stages import store
+from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,8 +166,8 @@ def test_resumed_run_has_the_same_rows_order_and_values(reference, killed_and_re
 
 
 def test_resumed_run_ends_with_the_same_weights_and_no_partial_checkpoints(reference, killed_and_resumed) -> None:
-    from stages.models import load_policy
-    from stages.resume import read_trainer_state
+    from stages.models.policy import load_policy
+    from stages.run.resume import read_trainer_state
 
     out, _ = killed_and_resumed
     ref, _ = load_policy(reference / "checkpoints" / RUN / "policy_v2")

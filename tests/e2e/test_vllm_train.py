@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from stages import store
+from stages.io import store
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]

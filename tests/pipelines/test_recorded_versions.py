@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from configs.schema import load_config
-from stages import store
-from stages.sql import query
+from stages.io import store
+from stages.io.sql import query
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 RUN = "rv-run"

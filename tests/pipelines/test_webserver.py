@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import store
+from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import pytest
 from assets.resources import TrackerResource
 from configs.schema import load_config
 from pipelines.cli import main
-from stages.compare import best_direction, compare_runs, format_comparison
+from stages.run.compare import best_direction, compare_runs, format_comparison
 
 
 @pytest.fixture(scope="module")

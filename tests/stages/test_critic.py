@@ -10,13 +10,13 @@ from configs.schema import AlgorithmConfig, CriticConfig, OptimConfig, load_conf
 from stages.advantage import compute_advantage_table
 from stages.algos.gae import compute_gae_advantages
 from stages.algos.value import compute_value_loss
-from stages.batching import pad_rollouts
-from stages.checkpoints import ModelStore
-from stages.critic import (OPTIMIZER_FILE, compute_values, critic_data_metrics, critic_update, init_critic,
+from stages.train.batching import pad_rollouts
+from stages.io.checkpoints import ModelStore
+from stages.train.critic import (OPTIMIZER_FILE, compute_values, critic_data_metrics, critic_update, init_critic,
                            load_critic, ragged_to_padded, require_critic, response_values, run_critic_update,
                            update_rows, values_frame)
-from stages.models import load_policy
-from stages.trainer import make_optimizer
+from stages.models.policy import load_policy
+from stages.train.actor import make_optimizer
 from tests.stages.helpers_rollouts import make_rows
 
 

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from configs.schema import SyntheticTaskConfig
-from stages.data import generate_arith_task, load_prompt_rows, read_verl_parquet, sample_prompt_batch
+from stages.data.datasets import generate_arith_task, load_prompt_rows, read_verl_parquet, sample_prompt_batch
 
 
 def test_synthetic_task_is_verl_format_deterministic_and_disjoint(tmp_path) -> None:

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from configs.schema import FilterGroupsConfig, RewardConfig, RolloutConfig, load_config
-from stages.dynamic_sampling import (filter_metric, generate_until_full, iteration_prompts, kept_group_ids,
-                                     prompt_rounds, select_training_groups)
+from stages.filter_groups import filter_metric, generate_until_full, kept_group_ids, select_training_groups
+from stages.prompt_batch import iteration_prompts, prompt_rounds
 from stages.reward import score_rollouts
 
 
@@ -61,7 +61,7 @@ def test_select_training_groups_keeps_the_first_passing_groups() -> None:
 
 
 def _prompt_rounds_frame(tok, rounds: int, per_round: int) -> pd.DataFrame:
-    from stages.models import encode_chat
+    from stages.models.policy import encode_chat
 
     rows = []
     for r in range(rounds):
@@ -79,7 +79,8 @@ def eos_prone_checkpoint(tmp_path_factory) -> str:
     import torch
 
     from configs.schema import TinyModelConfig
-    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=0)
@@ -91,7 +92,7 @@ def eos_prone_checkpoint(tmp_path_factory) -> str:
 def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
     """Shaped rewards (overlong penalty on lengths) give some groups spread: rounds stop once enough pass;
     an unreachable target is a clear error after every round was generated."""
-    from stages.models import load_policy
+    from stages.models.policy import load_policy
     from stages.rollout import generate_rollouts
 
     tiny_checkpoint = eos_prone_checkpoint

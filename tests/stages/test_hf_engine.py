@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from stages.algos.losses import gather_logprobs
-from stages.batching import pad_rollouts, response_logits
-from stages.engines.base import SamplingSpec
-from stages.engines.hf_engine import HFEngine
-from stages.models import encode_chat, load_policy, save_policy
+from stages.train.batching import pad_rollouts, response_logits
+from stages.models.engines.base import SamplingSpec
+from stages.models.engines.hf_engine import HFEngine
+from stages.models.policy import encode_chat, load_policy, save_policy
 
 
 def _prompts(tok, texts):

@@ -43,7 +43,7 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, job: dict) -> None:
     import torch.distributed as dist
 
-    from stages.megatron import train_loop_per_worker
+    from stages.train.megatron import train_loop_per_worker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -75,8 +75,9 @@ def policy_and_table(tmp_path_factory) -> dict:
     import pandas as pd
 
     from configs.schema import TinyModelConfig
-    from stages.models import build_char_tokenizer, build_tiny_model, save_policy
-    from stages.store import write_partition
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
+    from stages.io.store import write_partition
 
     root = tmp_path_factory.mktemp("megatron")
     tok = build_char_tokenizer()

@@ -10,9 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from configs.schema import TinyModelConfig
-from stages.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
-from stages.megatron.model import check_parallel_sizes, hf_arch
-from stages.models import build_tiny_model
+from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
+from stages.train.megatron.model import check_parallel_sizes, hf_arch
+from stages.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.megatron
 TINY = TinyModelConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

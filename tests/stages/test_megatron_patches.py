@@ -1,4 +1,4 @@
-"""Each CPU patch in stages.megatron.cpu_patches is needed: with all patches but one, a short
+"""Each CPU patch in stages.train.megatron.cpu_patches is needed: with all patches but one, a short
 PP=2 run (seed the RNG tracker, build a tied GPTModel stage, one forward-backward through the
 1F1B schedule over gloo) fails on CPU with megatron's CUDA assumption; with all of them it runs."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.megatron,
 def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str) -> None:
     import torch.distributed as dist
 
-    from stages.megatron.cpu_patches import apply_cpu_patches
+    from stages.train.megatron.cpu_patches import apply_cpu_patches
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     apply_cpu_patches(exclude=exclude)
@@ -31,9 +31,9 @@ def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from configs.schema import TinyModelConfig
-        from stages.megatron.model import build_gpt_model, hf_arch
-        from stages.megatron.ppo import megatron_attention_mask, run_schedule
-        from stages.models import build_tiny_model
+        from stages.train.megatron.model import build_gpt_model, hf_arch
+        from stages.train.megatron.ppo import megatron_attention_mask, run_schedule
+        from stages.models.tiny import build_tiny_model
 
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
         step = "seed"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from stages.ray_data import MAX_ACTOR_RESTARTS, map_with_tasks
+from stages.workers.tasks import MAX_ACTOR_RESTARTS, map_with_tasks
 
 pytestmark = pytest.mark.ray
 

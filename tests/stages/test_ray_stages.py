@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from configs.schema import ActorConfig, OptimConfig, RolloutConfig
-from stages import store
-from stages.models import encode_chat, load_policy
+from stages.io import store
+from stages.models.policy import encode_chat, load_policy
 from stages.rollout import generate_rollouts
-from stages.trainer import make_optimizer, ppo_update
+from stages.train.actor import make_optimizer, ppo_update
 from stages.update import METRICS_FILE, run_policy_update, shard_for_rank
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from configs.schema import RolloutConfig
-from stages.models import build_tiny_model, encode_chat, load_policy, save_policy
+from stages.models.policy import encode_chat, load_policy, save_policy
+from stages.models.tiny import build_tiny_model
 from stages.ref_logprobs import RefLogprobStage, compute_ref_logprobs, needs_ref_logprobs
 from stages.rollout import generate_rollouts
 
@@ -52,8 +53,8 @@ def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint,
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint, temperature) -> None:
-    from stages.batching import pad_rollouts
-    from stages.trainer import compute_logprobs
+    from stages.train.batching import pad_rollouts
+    from stages.train.actor import compute_logprobs
 
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
     ref = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False,

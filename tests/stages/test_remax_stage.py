@@ -13,7 +13,8 @@ from configs.schema import (
     load_config,
 )
 from stages.advantage import compute_advantage_table, drop_flagged_rollouts
-from stages.dynamic_sampling import add_greedy_baselines, select_training_groups
+from stages.filter_groups import select_training_groups
+from stages.rollout import add_greedy_baselines
 from stages.metrics import rollout_metrics
 
 REMAX = AlgorithmConfig(adv_estimator="remax")
@@ -100,12 +101,8 @@ def test_remax_config_accepts_one_sample_per_prompt() -> None:
 def test_greedy_baselines_from_the_real_engine(tmp_path) -> None:
     """One greedy row per group from the same policy: deterministic, sample_index -1, ids after the samples."""
     from configs.schema import TinyModelConfig
-    from stages.models import (
-        build_char_tokenizer,
-        build_tiny_model,
-        encode_chat,
-        save_policy,
-    )
+    from stages.models.policy import encode_chat, save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
     from stages.rollout import generate_rollouts
 
     tok = build_char_tokenizer()

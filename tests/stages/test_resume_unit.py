@@ -1,4 +1,4 @@
-"""stages.resume over real Delta tables and checkpoint dirs under tmp_path; Ray Data actor retry."""
+"""stages.run.resume over real Delta tables and checkpoint dirs under tmp_path; Ray Data actor retry."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from configs.schema import load_config
-from stages import store
-from stages.checkpoints import ModelStore
-from stages.resume import (
+from stages.io import store
+from stages.io.checkpoints import ModelStore
+from stages.run.resume import (
     STATE_FILE,
     check_architecture,
     completed_iterations,
@@ -164,7 +164,7 @@ class DiesOnce:
 
 @pytest.mark.ray
 def test_killed_stage_worker_is_retried_and_the_table_written_once(ray_session, tmp_path) -> None:
-    from stages.ray_data import map_with_actor_pool
+    from stages.workers.tasks import map_with_actor_pool
 
     marker = tmp_path / "died_once"
     df = pd.DataFrame({"x": range(10)})

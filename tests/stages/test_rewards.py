@@ -8,7 +8,7 @@ import pytest
 
 from configs.schema import RewardConfig
 from stages.reward import RewardStage, score_rollouts
-from stages.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_fn_for, score_gsm8k, score_math
+from stages.data.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_fn_for, score_gsm8k, score_math
 
 
 @pytest.mark.parametrize("text,gt,expected", [
@@ -100,7 +100,7 @@ def test_reward_stage_on_a_batch() -> None:
     out = RewardStage()(_rollouts(["#### 5", "#### 4", "5", "#### 5"]))
     assert out["reward"].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert out["reward_error"].isna().all()
-    assert set(out["reward_fn"]) == {"stages.rewards.score_gsm8k"}
+    assert set(out["reward_fn"]) == {"stages.data.rewards.score_gsm8k"}
 
 
 def test_raising_reward_fn_names_the_row_or_is_flagged(monkeypatch) -> None:

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pytest
 
 from pipelines.cli import main
-from stages import store
-from stages.tables import SCHEMAS
+from stages.io import store
+from stages.io.tables import SCHEMAS
 
 _VALUE = {pa.string(): "x", pa.int64(): 1, pa.int32(): 1, pa.float64(): 0.5, pa.bool_(): False}
 

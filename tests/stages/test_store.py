@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 from deltalake import DeltaTable
 
-from stages import store
-from stages.tables import SCHEMAS
+from stages.io import store
+from stages.io.tables import SCHEMAS
 
 
 def _metrics(values: dict[str, float]) -> pd.DataFrame:

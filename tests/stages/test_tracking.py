@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 
 from assets.resources import TrackerResource
 from pipelines.cli import main
-from stages import store
-from stages.plots import load_run_metrics, validation_rewards
-from stages.tables import SCHEMAS
-from stages.tracking import git_commit, iteration_lineage
+from stages.io import store
+from stages.io.plots import load_run_metrics, validation_rewards
+from stages.io.tables import SCHEMAS
+from stages.io.tracking import git_commit, iteration_lineage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VAL = "val-core/rlake/arith/reward/mean@1"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from configs.schema import ActorConfig, OptimConfig
-from stages.models import load_policy
-from stages.trainer import make_optimizer, ppo_update
+from stages.models.policy import load_policy
+from stages.train.actor import make_optimizer, ppo_update
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import as_trainer_rows, make_rows  # noqa: E402
@@ -89,7 +89,7 @@ def test_losses_match_golden(tiny_checkpoint) -> None:
 def test_update_job_divides_logits_by_the_rollout_temperature(rollout_temperature, expected) -> None:
     """verl's actor (and ref) log-probs use rollout.temperature; greedy rollouts (0) mean plain logits."""
     from configs.schema import load_config
-    from stages.replay import policy_update_job
+    from stages.run.replay import policy_update_job
 
     cfg = load_config("configs/ci_tiny.yaml", [f"rollout.temperature={rollout_temperature}"])
     job = policy_update_job(cfg, 3, advantages_uri="/x", advantages_version=1, policy_dir="/p", out_dir="/o")
@@ -97,9 +97,9 @@ def test_update_job_divides_logits_by_the_rollout_temperature(rollout_temperatur
 
 
 def test_tempered_logprobs_are_log_softmax_of_scaled_logits(tiny_checkpoint) -> None:
-    from stages.batching import pad_rollouts, response_logits
-    from stages.models import load_policy
-    from stages.trainer import compute_logprobs
+    from stages.train.batching import pad_rollouts, response_logits
+    from stages.models.policy import load_policy
+    from stages.train.actor import compute_logprobs
 
     model, tok = load_policy(tiny_checkpoint)
     batch = pad_rollouts([[1, 5, 7], [2, 3]], [[4, 6], [8, 9, 10]], tok.pad_token_id)

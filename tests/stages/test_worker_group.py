@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from configs.schema import ActorConfig, OptimConfig, RolloutConfig
-from stages import store
-from stages.models import encode_chat, load_policy
+from stages.io import store
+from stages.models.policy import encode_chat, load_policy
 from stages.rollout import RolloutStage, generate_rollouts, sampling_from_config
 from stages.update import CHECKPOINT_ID, run_policy_update
-from stages.worker_group import shutdown_worker_groups, worker_group
+from stages.workers.group import shutdown_worker_groups, worker_group
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import make_rows  # noqa: E402

@@ -1,0 +1,81 @@
+"""DAPO dynamic sampling (algorithm.filter_groups): keep only groups whose rollouts do not all share one
+reward, generating further rounds of prompts until train_batch_size groups are kept.
+
+- the prompt_batches partition holds every candidate round of the iteration (stages.prompt_batch);
+- the rollout stage generates round after round (`generate_until_full`) and stops as soon as enough
+  groups pass the filter; the rollouts / scored_rollouts tables keep all generated rounds;
+- the advantage stage keeps the first train_batch_size passing groups (`select_training_groups`, in
+  round, then group order).
+
+Yu et al. 2025, https://arxiv.org/abs/2503.14476 (section 3.2); verl's filter_groups names.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from stages.advantage import split_baseline_rows
+from stages.algos.dapo import filter_groups_by_variance
+
+
+def filter_metric(scored: pd.DataFrame, metric: str, correct_score: float) -> np.ndarray:
+    """Per-rollout values the group filter compares: acc (score >= correct_score), score, or seq_reward."""
+    if metric == "acc":
+        return (scored["score"].to_numpy(dtype=np.float64) >= correct_score).astype(np.float64)
+    if metric == "score":
+        return scored["score"].to_numpy(dtype=np.float64)
+    if metric == "seq_reward":
+        return scored["reward"].to_numpy(dtype=np.float64)
+    raise ValueError(f"Unknown algorithm.filter_groups.metric '{metric}'. Valid: ['acc', 'score', 'seq_reward']")
+
+
+def kept_group_ids(scored: pd.DataFrame, metric: str, correct_score: float) -> list[int]:
+    """Group ids whose rollouts do not all share one metric value, in order of first rollout_id."""
+    keep = filter_groups_by_variance(torch.tensor(filter_metric(scored, metric, correct_score)),
+                                     torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)))
+    ordered = scored.assign(_keep=keep.numpy()).sort_values("rollout_id")
+    return list(dict.fromkeys(ordered.loc[ordered["_keep"], "group_id"].tolist()))
+
+
+def generate_until_full(batch: pd.DataFrame, generate: Callable[[pd.DataFrame, int], pd.DataFrame],
+                        score: Callable[[pd.DataFrame], pd.DataFrame], *, metric: str, correct_score: float,
+                        need_groups: int) -> pd.DataFrame:
+    """Generate round after round of `batch` (a prompt_batches partition with gen_round) until
+    `need_groups` groups pass the filter; returns all generated rollouts (gen_round, unique rollout_id).
+
+    generate(prompts of one round, round) -> rollouts with rollout_id 0..; score(rollouts) -> the same
+    rows with a `score` and `reward` column (used only to decide whether to stop)."""
+    parts, kept, offset = [], 0, 0
+    rounds = sorted(int(r) for r in batch["gen_round"].unique())
+    for r in rounds:
+        out = generate(batch[batch["gen_round"] == r].reset_index(drop=True), r)
+        out = out.assign(gen_round=r, rollout_id=out["rollout_id"].to_numpy() + offset)
+        offset += len(out)
+        parts.append(out)
+        kept += len(kept_group_ids(score(out), metric, correct_score))
+        if kept >= need_groups:
+            return pd.concat(parts, ignore_index=True)
+    raise ValueError(
+        f"dynamic sampling kept {kept} groups after {len(rounds)} generation rounds, fewer than "
+        f"data.train_batch_size ({need_groups}), because the other groups' rollouts all got the same "
+        f"'{metric}'; raise algorithm.filter_groups.max_num_gen_batches (0 = until the prompts run out) or "
+        "data.gen_batch_size, or pick an easier/harder dataset (verl: 'Generated too many').")
+
+
+def select_training_groups(scored: pd.DataFrame, filter_cfg, *, need_groups: int, correct_score: float) -> pd.DataFrame:
+    """The rows of the first `need_groups` groups that pass the filter (all rows when it is off)."""
+    if not filter_cfg.enable:
+        return scored
+    groups = kept_group_ids(split_baseline_rows(scored)[0], filter_cfg.metric, correct_score)  # ReMax baselines: no vote
+    if len(groups) < need_groups:
+        raise ValueError(
+            f"only {len(groups)} groups of the scored rollouts pass the filter_groups '{filter_cfg.metric}' filter, "
+            f"fewer than data.train_batch_size ({need_groups}); this happens when rollouts were re-scored with "
+            "another reward after generation stopped: re-materialize rollouts too, or disable filter_groups.")
+    chosen = set(groups[:need_groups])
+    return scored[scored["group_id"].isin(chosen)].sort_values("rollout_id").reset_index(drop=True)  # + baselines
+
+

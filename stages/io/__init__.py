@@ -1,0 +1,1 @@
+"""Storage: Delta tables with lineage, table schemas, checkpoints, SQL, MLflow tracking, plots."""

@@ -1,0 +1,130 @@
+"""Curves of one run from the `iteration_metrics` Delta table, as matplotlib figures.
+
+Used by `rlake plot RUN` (training + validation panels), by the MLflow run's final
+`validation_curve.png` (stages.io.tracking) and by scripts/plot_validation.py. Figures are built with
+`matplotlib.figure.Figure` (no pyplot global state, no GUI backend), so plotting inside a Dagster
+asset or a test does not depend on the display. matplotlib is a dependency of mlflow.
+
+x axes: the rows of iteration i carry policy_version i+1 (the update's result, MLflow step i+1);
+iteration -1 holds the validation of policy v0. Training-rollout panels plot against the iteration
+(= the policy version that generated the rollouts), validation against the validated policy version.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from stages.io.store import table_exists
+
+METRICS_TABLE = "iteration_metrics"
+VAL_REWARD = r"^val-(core|aux)/(.+)/reward/mean@(\d+)$"
+TRAIN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("training reward", ("critic/score/mean",)),
+    ("response length (tokens)", ("response_length/mean",)),
+    ("KL", ("actor/ppo_kl", "actor/kl_loss")),
+    ("entropy", ("actor/entropy",)),
+)
+
+
+def load_run_metrics(tables_root: str | Path, run_id: str) -> pd.DataFrame:
+    """iteration_metrics rows of one run (iteration, policy_version, metric, value), newest table version.
+
+    Raises FileNotFoundError without the table, LookupError (naming the runs it holds) without rows."""
+    from deltalake import DeltaTable
+
+    uri = str(Path(tables_root) / METRICS_TABLE)
+    if not table_exists(uri):
+        raise FileNotFoundError(f"no {METRICS_TABLE} Delta table at '{uri}': the tables directory of a run "
+                                "is <trainer.output_dir>/tables")
+    dt = DeltaTable(uri)
+    df = dt.to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration", "policy_version", "metric", "value"])
+    if df.empty:
+        known = sorted(dt.to_pandas(columns=["run_id"])["run_id"].unique())
+        raise LookupError(f"run '{run_id}' has no rows in {uri}; runs there: {', '.join(known) or 'none'}")
+    return df.sort_values(["iteration", "metric"]).reset_index(drop=True)
+
+
+def validation_rewards(df: pd.DataFrame) -> pd.DataFrame:
+    """policy_version x val reward metric (val-core/<ds>/reward/mean@1, val-aux/<ds>/reward/mean@n)."""
+    val = df[df["metric"].str.match(VAL_REWARD)]
+    return val.pivot_table(index="policy_version", columns="metric", values="value").sort_index()
+
+
+def _val_label(metric: str) -> str:
+    kind, ds, n = re.match(VAL_REWARD, metric).groups()
+    return (f"greedy pass@1 ({ds})" if kind == "core" else f"sampled mean@{n} ({ds})")
+
+
+def _plot_validation(ax, df: pd.DataFrame, *, annotate: bool) -> bool:
+    """Validation reward curves on ax; False when the run has no validation rows."""
+    val = validation_rewards(df)
+    for metric in sorted(val.columns, key=lambda m: (not m.startswith("val-core"), m)):  # greedy first
+        s = val[metric].dropna()
+        ax.plot(s.index, s.values, marker="o", label=_val_label(metric))
+        if annotate:
+            for x, y in zip(s.index, s.values):
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xlabel("policy version (RL iterations done)")
+    ax.set_ylabel("validation reward")
+    ax.grid(alpha=0.3)
+    if not val.empty:
+        ax.legend(fontsize=7, loc="best")
+    return not val.empty
+
+
+def validation_figure(df: pd.DataFrame, title: str):
+    """Validation reward per policy version, with the training reward of each iteration dashed."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    _plot_validation(ax, df, annotate=True)
+    train = df[df["metric"] == "critic/score/mean"].sort_values("iteration")
+    if not train.empty:  # iteration i's rollouts come from policy version i
+        ax.plot(train["iteration"], train["value"], color="gray", alpha=0.6, linestyle="--",
+                label="training reward (critic/score/mean)")
+        ax.legend(fontsize=7, loc="best")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def run_figure(df: pd.DataFrame, title: str):
+    """One figure, a panel each: training reward, response length, KL, entropy, validation rewards."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 7))
+    axes = fig.subplots(2, 3).ravel()
+    for ax, (name, metrics) in zip(axes, TRAIN_PANELS):
+        drawn = False
+        for metric in metrics:
+            s = df[df["metric"] == metric].sort_values("iteration")
+            if not s.empty:
+                ax.plot(s["iteration"], s["value"], marker=".", label=metric)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged: " + ", ".join(metrics), ha="center", va="center", fontsize=8,
+                    transform=ax.transAxes)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    if not _plot_validation(axes[4], df, annotate=False):
+        axes[4].text(0.5, 0.5, "no validation rows", ha="center", va="center", fontsize=8, transform=axes[4].transAxes)
+    axes[4].set_title("validation reward", fontsize=9)
+    axes[5].set_axis_off()
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def save_png(fig, path: str | Path, *, dpi: int = 110) -> Path:
+    """Write fig as PNG to path (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png")
+    return path

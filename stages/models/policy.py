@@ -1,0 +1,45 @@
+"""HF-format policy checkpoints: tokenizer and model load/save, chat encoding; never touches a hub."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
+    """(token ids, text) of chat messages with the generation prompt appended."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of a local HF checkpoint (left padding, pad falls back to eos); no weights read."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"'{path}' is not a HF checkpoint directory (no config.json); set model.path to a "
+            "directory written by save_pretrained, or to 'tiny'."
+        )
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+def load_policy(model_dir: str | Path, dtype: str = "float32"):
+    """Load (model, tokenizer) from a local HF checkpoint; never touches a hub."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(Path(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
+    return model, tok
+
+def save_policy(model, tokenizer, model_dir: str | Path) -> str:
+    """Write an HF-format checkpoint (safetensors + tokenizer); returns the directory."""
+    path = Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,1 @@
+"""Whole-run operations: resume, preflight, replay, compare, export, seeds."""

@@ -1,0 +1,303 @@
+"""Critic (value model) of PPO with GAE: model, per-token values, clipped-value-loss update.
+
+Shape legend: B prompts, G samples per prompt, N = B*G rollouts, P prompt len,
+L response len, T = P+L. Masks are float {0,1}, 1 = counted in the loss.
+
+Choices (verl semantics):
+- The critic is a plain HF `AutoModelForTokenClassification` with num_labels=1 and dropout 0: the
+  policy's backbone (its `model.*` weights) plus a new Linear(hidden, 1) head `score`, seeded. It is
+  saved as an HF directory (safetensors + config + tokenizer) with `optimizer.pt` and
+  `critic_metrics.json` beside, so `AutoModelForTokenClassification.from_pretrained(dir)` reopens it.
+- Version 0 is initialised from policy version 0 (verl: critic.model.path defaults to the actor's).
+  Version v scores iteration v's rollouts; iteration v's update writes v+1 (as the policy).
+- Alignment: values[:, t] is the head's output at position P-1+t, the same position whose logits
+  predict response token t: the value of the state in which token t is chosen (verl
+  `values[:, -response_length - 1:-1]`); it estimates the return from token t on.
+- Values and the update run in the calling process on one torch thread (single process, no DDP).
+  Measured on the 2-core box under load, 512 rollouts of the tiny_cpu model: values 0.22 s and the
+  update 0.86 s on one thread, 5.0 s and 21 s on two (thread contention): critic.ppo_epochs x mini-batches of critic.ppo_mini_batch_size
+  x rollout.n rollouts, gradient accumulation over critic.ppo_micro_batch_size rollouts, clipped
+  value loss (stages.algos.value) against the rollout-time values, grad clip critic.optim.grad_clip.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from stages.algos.masking import masked_mean, masked_var
+from stages.algos.value import compute_value_loss
+from stages.train.batching import pad_rollouts
+from stages.train.actor import clip_grads, make_optimizer, optimizer_step
+
+OPTIMIZER_FILE = "optimizer.pt"
+METRICS_FILE = "critic_metrics.json"
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with n torch threads, restoring the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _quiet_transformers():
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    return level
+
+
+def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write critic version 0: policy_dir's backbone + a fresh scalar head (atomic: tmp dir + rename)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from stages.models.policy import load_tokenizer
+
+    policy_dir, out = Path(policy_dir), Path(out_dir)
+    tok = load_tokenizer(policy_dir)
+    config = AutoConfig.from_pretrained(policy_dir, num_labels=1, local_files_only=True)
+    config.classifier_dropout = 0.0
+    config.architectures = None  # from_config/save_pretrained fill in the token-classification class
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True)
+    with torch.random.fork_rng():  # a seeded head without touching the caller's RNG
+        torch.manual_seed(seed)
+        try:
+            critic = AutoModelForTokenClassification.from_config(config)
+        except ValueError as exc:
+            raise ValueError(f"cannot build a value model from the policy at '{policy_dir}' ({config.model_type}): "
+                             f"transformers has no token-classification head for it ({exc}); PPO with GAE needs one, "
+                             "so pick a model type that has one (Qwen2, Llama, ...) or another adv_estimator") from exc
+    prefix = critic.base_model_prefix
+    critic.get_submodule(prefix).load_state_dict(policy.get_submodule(policy.base_model_prefix).state_dict())
+    return _save(critic, tok, out, optimizer_state=None, metrics={})
+
+
+def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
+    """Critic `version` of the run (a stages.io.checkpoints.ModelStore); version 0 is created from policy
+    version 0 on first use, any later one must have been written by iteration version-1's update."""
+    path = store.critic_dir(version)
+    if (path / "config.json").is_file():
+        return path
+    if version == 0:
+        return init_critic(store.require(0, needed_by=needed_by), path, seed=seed)
+    have = sorted(int(p.name[len("critic_v"):]) for p in store.dir.glob("critic_v*") if p.name[len("critic_v"):].isdigit())
+    raise FileNotFoundError(
+        f"{needed_by} needs critic version {version} at {path}, which does not exist (have {have}). Version "
+        f"{version} is written by iteration {version - 1}'s critic_checkpoint: materialize that first.")
+
+
+def load_critic(critic_dir: str | Path):
+    """(value model in eval mode, tokenizer) of a critic directory written by init_critic / the update."""
+    from transformers import AutoModelForTokenClassification
+
+    from stages.models.policy import load_tokenizer
+
+    path = Path(critic_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is "
+                                "created from policy version 0 by the values asset of iteration 0: materialize it first.")
+    level = _quiet_transformers()
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
+    finally:
+        from transformers.utils import logging
+        logging.set_verbosity(level)
+    if model.config.num_labels != 1:
+        raise ValueError(f"critic at '{path}' has num_labels={model.config.num_labels}; a value model needs 1. "
+                         "Delete it and let iteration 0 re-create it from the policy.")
+    return model.eval(), load_tokenizer(path)
+
+
+def _save(model, tok, out: Path, *, optimizer_state: dict | None, metrics: dict) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    if out.exists():  # a retried attempt replaces its own earlier output
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def response_values(model, batch: dict) -> Tensor:
+    """Values of the states before each response token: (N, L) (see the module docstring)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False)
+    p_len, l_len = batch["prompt_len"], batch["responses"].shape[1]
+    return out.logits[:, p_len - 1:p_len - 1 + l_len, 0].float()  # (N, L)
+
+
+def _slice(batch: dict, idx: Tensor) -> dict:
+    return {k: (v[idx] if isinstance(v, Tensor) else v) for k, v in batch.items()}
+
+
+def ragged_to_padded(lists, width: int) -> Tensor:
+    """(N, width) float32 from N ragged lists (zeros after each list's end)."""
+    out = torch.zeros(len(lists), width)
+    for i, values in enumerate(lists):
+        values = list(values)
+        out[i, :len(values)] = torch.as_tensor(values, dtype=torch.float32)
+    return out
+
+
+@torch.no_grad()
+def compute_values(model, prompts, responses, pad_id: int, micro_batch_size: int) -> list[list[float]]:
+    """Per-token values of each rollout's response tokens: N lists of len(response) floats."""
+    batch = pad_rollouts(prompts, responses, pad_id)
+    n = batch["input_ids"].shape[0]
+    vals = torch.cat([response_values(model, _slice(batch, torch.arange(s, min(s + micro_batch_size, n))))
+                      for s in range(0, n, micro_batch_size)])  # (N, L)
+    return [vals[i, :len(r)].tolist() for i, r in enumerate(responses)]
+
+
+def values_frame(rollouts: pd.DataFrame, critic_dir: str | Path, *, critic_version: int,
+                 micro_batch_size: int, threads: int = 1) -> pd.DataFrame:
+    """Rows of the `values` table: rollout_id, critic_version, values (one float per response token)."""
+    model, tok = load_critic(critic_dir)
+    with torch_threads(threads):
+        vals = compute_values(model, [list(p) for p in rollouts["prompt_token_ids"]],
+                              [list(r) for r in rollouts["response_token_ids"]], tok.pad_token_id, micro_batch_size)
+    return pd.DataFrame({"rollout_id": rollouts["rollout_id"].to_numpy(), "critic_version": critic_version,
+                         "values": vals})
+
+
+def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_prompt: int, pad_id: int,
+                  seed: int = 0) -> dict[str, float]:
+    """One iteration's critic optimization (single process).
+
+    Args:
+        rows: prompt_token_ids, response_token_ids, values (rollout-time values), returns (GAE
+            returns): N ragged lists each.
+        critic_cfg: configs.schema.CriticConfig.
+    Returns:
+        metrics averaged over micro-batches: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
+        critic/grad_norm, critic/lr.
+    """
+    batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
+    n, width = batch["responses"].shape
+    batch["old_values"] = ragged_to_padded(rows["values"], width) * batch["response_mask"]  # (N, L)
+    batch["returns"] = ragged_to_padded(rows["returns"], width) * batch["response_mask"]  # (N, L)
+    mini_size, micro = critic_cfg.ppo_mini_batch_size * n_per_prompt, critic_cfg.ppo_micro_batch_size
+    assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
+    gen = torch.Generator().manual_seed(seed)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+        counts[key] = counts.get(key, 0) + 1
+
+    model.train()
+    for _ in range(critic_cfg.ppo_epochs):
+        order = torch.randperm(n, generator=gen)
+        for m0 in range(0, n, mini_size):
+            mini = order[m0:m0 + mini_size]
+            n_micro = math.ceil(len(mini) / micro)
+            for k in range(n_micro):
+                mb = _slice(batch, mini[k * micro:(k + 1) * micro])
+                vpreds = response_values(model, mb)  # (n_mb, L)
+                loss, m = compute_value_loss(vpreds, mb["returns"], mb["old_values"], mb["response_mask"],
+                                             cliprange_value=critic_cfg.cliprange_value,
+                                             loss_agg_mode=critic_cfg.loss_agg_mode)
+                (loss / n_micro).backward()
+                for key, value in m.items():
+                    add(key, value)
+            grad_norm = clip_grads(model, critic_cfg.optim.grad_clip)
+            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="critic", error=(
+                "non-finite critic grad norm {norm}; lower critic.optim.lr or check the returns in the advantages table"))
+    model.eval()
+    return {k: sums[k] / counts[k] for k in sorted(sums)}
+
+
+def update_rows(advantages: pd.DataFrame, values: pd.DataFrame) -> dict:
+    """Critic-update rows from the iteration's advantages (returns) and values tables, by rollout_id."""
+    df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="left", validate="one_to_one")
+    missing = df.loc[df["values"].isna(), "rollout_id"].tolist()[:10]
+    if missing:
+        raise ValueError(f"rollouts {missing} have advantages but no row in the values table; re-materialize "
+                         "`values` and `advantages` of this iteration so both come from the same rollouts")
+    df = df.sort_values("rollout_id").reset_index(drop=True)
+    return {k: [list(x) for x in df[c]] for k, c in (("prompt_token_ids", "prompt_token_ids"),
+            ("response_token_ids", "response_token_ids"), ("values", "values"), ("returns", "returns"))}
+
+
+def run_critic_update(critic_dir: str | Path, out_dir: str | Path, rows: dict, critic_cfg, *, n_per_prompt: int,
+                      seed: int, threads: int = 1) -> dict[str, float]:
+    """Load critic version v (and its optimizer state), update it on `rows`, write version v+1 to out_dir."""
+    model, tok = load_critic(critic_dir)
+    opt, sched = make_optimizer(model, critic_cfg.optim)
+    opt_path = Path(critic_dir) / OPTIMIZER_FILE
+    if opt_path.is_file():
+        state = torch.load(opt_path, weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch_threads(threads):
+        metrics = critic_update(model, opt, sched, rows, critic_cfg, n_per_prompt=n_per_prompt,
+                                pad_id=tok.pad_token_id, seed=seed)
+    metrics["timing_s/critic_update"] = time.perf_counter() - t0
+    _save(model, tok, Path(out_dir), optimizer_state={"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+          metrics=metrics)
+    return metrics
+
+
+def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[str, float]:
+    """verl's compute_data_metrics critic part over response tokens: critic/values|returns|advantages
+    /mean|max|min and critic/vf_explained_var = 1 - Var(returns - values) / Var(returns)."""
+    df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="inner")
+    width = max(1, int(df["response_token_ids"].map(len).max()))
+    lengths = torch.tensor(df["response_token_ids"].map(len).to_numpy(dtype=np.int64))
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
+    tensors = {name: ragged_to_padded(df[col], width) for name, col in
+               (("values", "values"), ("returns", "returns"), ("advantages", "token_advantages"))}
+    out = {}
+    counted = mask > 0
+    for name, t in tensors.items():
+        sel = t[counted] if counted.any() else torch.zeros(1)
+        out |= {f"critic/{name}/mean": float(masked_mean(t, mask)), f"critic/{name}/max": float(sel.max()),
+                f"critic/{name}/min": float(sel.min())}
+    var_ret = masked_var(tensors["returns"], mask)
+    out["critic/vf_explained_var"] = float(1.0 - masked_var(tensors["returns"] - tensors["values"], mask)
+                                           / (var_ret + 1e-5))
+    return out
+
+
+def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, new_critic_dir: str | Path) -> dict[str, float]:
+    """An iteration's critic metrics: the data metrics plus those the update stored beside version v+1."""
+    path = Path(new_critic_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no critic update metrics at {path}: materialize critic_checkpoint of this iteration first")
+    return critic_data_metrics(advantages, values) | json.loads(path.read_text())
+
+
+def prune_critics(store, keep_every: int, latest: int) -> list[int]:
+    """Delete critic versions not a multiple of keep_every, except 0 and the newest two (as policies)."""
+    removed = []
+    for p in sorted(store.dir.glob("critic_v*")):
+        if not p.name[len("critic_v"):].isdigit():
+            continue
+        v = int(p.name[len("critic_v"):])
+        if v in (0, latest, latest - 1) or (keep_every > 0 and v % keep_every == 0):
+            continue
+        shutil.rmtree(p)
+        removed.append(v)
+    return removed

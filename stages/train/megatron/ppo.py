@@ -1,0 +1,221 @@
+"""PPO policy optimization of one Megatron-Core GPTModel stage: the Megatron twin of
+`stages.train.actor.ppo_update`, with the same batch layout, loss, schedule of optimizer steps and
+metric keys.
+
+Choices:
+- Micro-batches run through megatron's pipeline schedule (`get_forward_backward_func()`:
+  no pipelining for PP = 1, 1F1B otherwise); the schedule divides each micro-batch loss by the
+  number of micro-batches, as the torch backend's `(loss / n_micro).backward()` does.
+- Logits are gathered over TP (`parallel_output=False`), so the loss reuses
+  `stages.algos.losses` unchanged on every TP rank of the last stage.
+- Old log-probs are recomputed with the same schedule (forward only) before the first step.
+- Gradients: tied-embedding grads summed over the embedding group (PP > 1), averaged over the
+  DP group (DDP semantics), clipped by the global norm over the model-parallel group, counting
+  TP-replicated parameters and the last stage's embedding copy once. Then plain torch AdamW on
+  the local shards (elementwise, so equal to AdamW on the full tensors).
+- Attention: causal plus key-padding mask; RoPE uses positions 0..T-1 rather than HF's
+  position_ids, which changes no score because a row's real tokens are contiguous (left-padded
+  prompt, right-padded response) and RoPE scores depend on position differences only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from stages.algos.kl import compute_kl_penalty
+from stages.algos.losses import (
+    entropy_from_logits,
+    get_policy_loss_fn,
+    gather_logprobs,
+    masked_mean,
+)
+from stages.train.batching import pad_rollouts, tempered, token_advantages
+from stages.train.actor import ACTOR_GRAD_ERROR, optimizer_step
+from stages.train.megatron.convert import tp_partition_dim
+
+
+def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
+    """(N, T) {0,1} -> (N, 1, T, T) bool, True = masked: causal and padded keys."""
+    t = attention_mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()  # (T, T)
+    allowed = causal[None] & attention_mask.bool()[:, None, :]  # (N, T, T)
+    return ~allowed[:, None]  # (N, 1, T, T)
+
+
+def _slice(batch: dict, idx: Tensor) -> dict:
+    return {k: (v[idx] if isinstance(v, Tensor) else v) for k, v in batch.items()}
+
+
+def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_size: int,
+                 forward_only: bool, temperature: float = 1.0) -> list:
+    """Run micro-batches (row indices into batch) through megatron's schedule.
+
+    loss_fn(mb, logits (n_mb, L, V)) -> (scalar loss, metrics) is called on the last stage only;
+    returns the metrics of every micro-batch there (an empty list on other stages).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mbs = [_slice(batch, idx) for idx in micro_idx]
+    p_len, l_len = batch["prompt_len"], batch["responses"].shape[1]
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["input_ids"], mb["position_ids"], mb["mask4d"])
+        # last stage: (n_mb, T, V_padded) logits; earlier stages: hidden states
+        # (n_mb, L, V) response logits at the rollout temperature, as stages.train.batching.response_logits
+        return output, lambda out: loss_fn(mb, tempered(out[:, p_len - 1:p_len - 1 + l_len, :vocab_size], temperature))
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+        num_microbatches=len(mbs), seq_length=batch["input_ids"].shape[1],
+        micro_batch_size=len(micro_idx[0]), forward_only=forward_only)
+
+
+@torch.no_grad()
+def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int, temperature: float = 1.0) -> Tensor:
+    """(N, L) log-probs of the responses on the last stage; zeros elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    n = batch["input_ids"].shape[0]
+    idx = list(torch.arange(n).split(mb_size))
+    outs = run_schedule(model, batch, idx, lambda mb, logits: (logits.new_zeros(()), {
+        "logprobs": gather_logprobs(logits, mb["responses"])}), vocab_size=vocab_size, forward_only=True,
+        temperature=temperature)
+    if not ps.is_pipeline_last_stage():
+        return torch.zeros_like(batch["response_mask"])
+    return torch.cat([o["logprobs"] for o in outs])
+
+
+def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, clip: float) -> Tensor:
+    """Embedding-group sum, DP average, global-norm clipping of the local grads; returns the norm."""
+    from megatron.core import parallel_state as ps
+
+    if tied and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+    named_params = [(name, p) for name, p in named_params if p.grad is not None]
+    grads = [p.grad for _, p in named_params]
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        flat /= dp
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    counted = [p.grad for name, p in named_params
+               if not (tp_partition_dim(name) is None and tp_rank > 0)
+               and not (tied and name == "output_layer.weight")]
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
+    dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = sq.sqrt()
+    coef = (clip if clip > 0 else float("inf")) / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
+    for g in grads:
+        g.mul_(coef.clamp(max=1.0))
+    return norm
+
+
+def _ppo_loss_fn(actor_cfg, add):
+    low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
+    high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
+
+    policy_loss = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
+
+    def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict]:
+        logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
+        pg_loss, m = policy_loss(
+            mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],
+            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
+            loss_agg_mode=actor_cfg.loss_agg_mode)
+        entropy = masked_mean(entropy_from_logits(logits), mb["response_mask"])
+        loss = pg_loss - actor_cfg.entropy_coeff * entropy
+        if actor_cfg.use_kl_loss:
+            kl = masked_mean(compute_kl_penalty(logprobs, mb["ref_logprobs"], actor_cfg.kl_loss_type),
+                             mb["response_mask"])
+            loss = loss + actor_cfg.kl_loss_coef * kl
+            add("actor/kl_loss", float(kl.detach()))
+        for key, value in m.items():
+            add(key, value)
+        add("actor/entropy", float(entropy.detach()))
+        return loss, m
+
+    return loss_fn
+
+
+def _prepare_batch(rows: dict, actor_cfg, pad_id: int) -> dict:
+    batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
+    batch["mask4d"] = megatron_attention_mask(batch["attention_mask"])  # (N, 1, T, T)
+    batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
+    if actor_cfg.use_kl_loss:
+        if "ref_logprobs" not in rows:
+            raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
+                             "reference log-prob stage or set actor.use_kl_loss=False.")
+        batch["ref_logprobs"] = torch.zeros_like(batch["response_mask"])  # (N, L)
+        for i, r in enumerate(rows["ref_logprobs"]):
+            batch["ref_logprobs"][i, :len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return batch
+
+
+def _reduce_metrics(sums: dict, counts: dict, dp: int) -> dict[str, float]:
+    """Means over micro-batches; loss metrics come from the last stage; averaged over DP."""
+    from megatron.core import parallel_state as ps
+
+    metrics = {k: sums[k] / counts[k] for k in sorted(sums)}
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [metrics]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        metrics = {**box[0], **{k: metrics[k] for k in ("actor/grad_norm", "actor/lr") if k in metrics}}
+    if dp > 1:
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        metrics = {k: float(v) / dp for k, v in zip(keys, t)}
+    return dict(sorted(metrics.items()))
+
+
+def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, vocab_size: int,
+                        tied: bool, n_per_prompt: int, pad_id: int, micro_batch_size: int,
+                        seed: int = 0, temperature: float = 1.0) -> dict[str, float]:
+    """One iteration's policy optimization of this rank's stage on its DP share of the batch.
+
+    Args: as `stages.train.actor.ppo_update`; rows are this DP rank's rollouts (the same on every
+    TP/PP rank of a replica); micro_batch_size rollouts per pipeline micro-batch.
+    Returns: the torch backend's metric keys, equal on every rank.
+    """
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    batch = _prepare_batch(rows, actor_cfg, pad_id)
+    n = batch["input_ids"].shape[0]
+    model.eval()
+    batch["old_logprobs"] = compute_old_logprobs(model, batch, micro_batch_size, vocab_size, temperature)
+    model.train()
+    per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // dp
+    if n % per_worker_mini or per_worker_mini % micro_batch_size:
+        raise ValueError(f"{n} rollouts per DP rank must split into mini-batches of {per_worker_mini} and those "
+                         f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
+                         "set actor.megatron.micro_batch_size to a divisor.")
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+        counts[key] = counts.get(key, 0) + 1
+
+    loss_fn = _ppo_loss_fn(actor_cfg, add)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(actor_cfg.ppo_epochs):
+        order = torch.randperm(n, generator=gen)
+        for m0 in range(0, n, per_worker_mini):
+            micro = list(order[m0:m0 + per_worker_mini].split(micro_batch_size))
+            run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False,
+                         temperature=temperature)
+            grad_norm = finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip)
+            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="actor", error=ACTOR_GRAD_ERROR)
+    model.eval()
+    metrics = _reduce_metrics(sums, counts, dp)
+    metrics["actor/num_rollouts"] = float(n * dp)
+    return metrics
