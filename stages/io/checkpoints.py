@@ -4,9 +4,14 @@ Version v is the policy that generates iteration v's rollouts; iteration i's upd
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 _VERSION_RE = re.compile(r"^policy_v(\d+)$")
 
@@ -57,3 +62,55 @@ class ModelStore:
             shutil.rmtree(self.policy_dir(v))
             removed.append(v)
         return removed
+
+
+OPTIMIZER_FILE = "optimizer.pt"
+"""Optimizer + LR-scheduler state beside an HF checkpoint (policy or critic), HF parameter order."""
+CHECKPOINT_ID = "checkpoint_id.txt"
+"""A unique id per written checkpoint: workers holding weights resident compare it to skip a reload."""
+
+
+@contextmanager
+def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
+    """The one atomic write of rlake: yields an empty `<out>.tmp` directory to fill; on success it
+    replaces `out` (a retried attempt replaces its own earlier output), on error it is removed. A
+    reader sees the directory complete or absent, never half-written; a writer killed mid-way leaves
+    only `<out>.tmp`, which ModelStore.remove_partial deletes."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """A single file written whole or not at all (tmp file + os.replace)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def checkpoint_id(ckpt_dir: str | Path) -> str | None:
+    """The id written with a checkpoint (None for checkpoints written without one, e.g. version 0)."""
+    path = Path(ckpt_dir) / CHECKPOINT_ID
+    return path.read_text().strip() if path.is_file() else None
+
+
+def save_optimizer_state(ckpt_dir: str | Path, optimizer_state: dict, scheduler_state: dict) -> None:
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state}, Path(ckpt_dir) / OPTIMIZER_FILE)
+
+
+def load_optimizer_state(ckpt_dir: str | Path) -> dict | None:
+    """{"optimizer", "scheduler"} state dicts stored beside a checkpoint, None when it has none (version 0)."""
+    path = Path(ckpt_dir) / OPTIMIZER_FILE
+    return torch.load(path, weights_only=False) if path.is_file() else None

@@ -1,94 +1,97 @@
-"""Long-lived Ray actors that outlive one iteration: the trainer's gloo worker group and the rollout
-engine hosts.
+"""WorkerGroup: the run's long-lived Ray actors of one role, called by bound method.
 
-Starting a Ray Train run (or a Ray Data actor pool holding an inference engine) costs seconds per
-iteration; verl keeps its worker groups alive for the whole run, and so does rlake. Actors are owned
-by the driver process (they die with it) and are cached per Ray session, keyed by their shape:
+verl keeps its worker groups alive for the whole run, and so does rlake: starting a trainer group
+or loading an engine costs seconds, so a role's actors are created once and found again by name
+(`rlake:<role>:<rank>`) by every later stage of the run, in the same process or not. There is no
+module-level registry: Ray's named actors are the registry.
 
-    group = worker_group("trainer", num_workers=2, threads=1)
-    results = group.run("stages.update:train_loop_per_worker", job)   # one result per rank
+    group = worker_group(ActorWorker, "actor", num_workers=2, threads=1, process_group=True)
+    metrics = group.call(ActorWorker.update, request)          # one result per rank
+    parts = group.call_each(RolloutWorker.generate, shards)     # rank i gets shards[i]
 
-Fault handling: when any rank fails, the whole group is killed at once (a surviving rank would
-otherwise block in a collective) and the error is raised; when an actor died (killed process,
-OOM), the group is rebuilt and the call retried once. Actors reserve no Ray CPUs: they run one stage
-at a time, interleaved with the Ray Data stages, and set their own thread counts.
+A worker class is a plain Python class deriving from `Worker` (state in attributes; unit tests use it
+without Ray); the group makes it a Ray actor. Fault handling: when a rank raises, the whole group is
+killed at once (a surviving rank would otherwise block in a collective) and the error raised; when an
+actor died (killed process, OOM), `call_with_retry` rebuilds the group and retries. Actors reserve no
+Ray CPUs: the stages run one at a time and each worker sets its own thread count.
 """
+
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 log = logging.getLogger(__name__)
-
-_GROUPS: dict[str, WorkerGroup] = {}
-
-
-def resolve(qualname: str) -> Callable:
-    """'package.module:function' -> the function."""
-    module, _, name = qualname.partition(":")
-    return getattr(importlib.import_module(module), name)
+R = TypeVar("R")
+NAME_PREFIX = "rlake:"
 
 
-class _Worker:
-    """One rank. `run` calls a function by qualified name in this long-lived process; the function
-    may keep state in its module (the torch backend keeps the policy and optimizer resident)."""
+class Worker:
+    """Base of every role's worker: rank, world size and torch threads; joins a gloo group on request."""
 
-    def __init__(self, rank: int, world: int, threads: int) -> None:
-        import torch
-
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, threads: int, shape: str = "") -> None:
+        self.rank, self.world, self.threads, self.shape_key = rank, world, threads, shape
         torch.set_num_threads(threads)
 
-    def free_address(self) -> tuple[str, int]:
-        import ray
+    def shape(self) -> str:
+        """What the group was built for (class, size, threads, options): a different shape rebuilds it."""
+        return self.shape_key
 
+    def free_address(self) -> tuple[str, int]:
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def init_process_group(self, host: str, port: int) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(minutes=30))
-
-    def call(self, qualname: str, *args: Any) -> Any:
-        return resolve(qualname)(*args)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(minutes=30),
+        )
 
     def pid(self) -> int:
         return os.getpid()
 
 
+def _method_name(worker_cls: type, method: Callable) -> str:
+    """The name of `method` after checking it is a method of worker_cls (a typo fails here, not in Ray)."""
+    name = getattr(method, "__name__", None)
+    if name is None or getattr(worker_cls, name, None) is not method:
+        raise TypeError(f"{method!r} is not a method of {worker_cls.__name__}; call the group with one, "
+                        f"e.g. {worker_cls.__name__}.{name or 'method'}")
+    return name
+
+
 class WorkerGroup:
-    """`num_workers` actors of `worker_cls(rank, world, threads)` (a `_Worker` subclass); with
-    `process_group`, joined in one gloo group (rank i = actor i)."""
+    """`handles[i]` is rank i, an actor of `worker_cls`. Build with `worker_group`."""
 
-    def __init__(self, num_workers: int, *, threads: int = 1, process_group: bool = True,
-                 worker_cls: type = _Worker) -> None:
-        import ray
+    def __init__(self, worker_cls: type, role: str, handles: list) -> None:
+        self.worker_cls, self.role, self.handles = worker_cls, role, handles
 
-        self.num_workers, self.threads, self.process_group = num_workers, threads, process_group
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
-        self.workers = [remote.remote(i, num_workers, threads) for i in range(num_workers)]
-        if process_group and num_workers > 1:
-            host, port = ray.get(self.workers[0].free_address.remote())
-            ray.get([w.init_process_group.remote(host, port) for w in self.workers])
+    @property
+    def num_workers(self) -> int:
+        return len(self.handles)
 
-    def run(self, qualname: str, *args: Any) -> list[Any]:
-        """Call the function on every rank with the same arguments; results in rank order."""
-        return self.map("call", [(qualname, *args)] * self.num_workers)
+    def call(self, method: Callable[..., R], *args: Any) -> list[R]:
+        """method(*args) on every rank; results in rank order."""
+        return self.call_each(method, [args] * self.num_workers)
 
-    def map(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
-        """Call `method` on worker i with per_worker_args[i] (fewer args -> fewer workers)."""
-        import ray
-
-        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args)]
+    def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
+        """method(*per_rank_args[i]) on rank i (fewer argument tuples than ranks: the first ranks only)."""
+        name = _method_name(self.worker_cls, method)
+        refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, per_rank_args)]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -100,63 +103,88 @@ class WorkerGroup:
         return ray.get(refs)
 
     def kill(self) -> None:
-        import ray
-
-        for w in self.workers:
+        for h in self.handles:
             try:
-                ray.kill(w, no_restart=True)
+                ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead, or a handle of an earlier Ray session
                 pass
-        self.workers = []
-
-    @property
-    def alive(self) -> bool:
-        return bool(self.workers)
+        self.handles = []
 
 
-def _session() -> str:
-    """The Ray session: job ids restart at 01000000 in every new local cluster, node ids do not."""
-    import ray
-
-    ctx = ray.get_runtime_context()
-    return f"{ctx.get_node_id()}/{ctx.get_job_id()}"
+def _named(prefix: str) -> list[str]:
+    return [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
 
 
-def worker_group(kind: str, num_workers: int, *, threads: int = 1, **kwargs: Any) -> WorkerGroup:
-    """The cached group of this kind, rebuilt when its shape or the Ray session changed."""
-    key = repr((_session(), num_workers, threads, sorted(kwargs.items(), key=lambda kv: kv[0])))
-    group = _GROUPS.get(kind)
-    if group is not None and group.alive and getattr(group, "key", None) == key:
-        return group
-    if group is not None and group.alive:
-        group.kill()  # one group per kind: a new shape replaces the old one
-    group = WorkerGroup(num_workers, threads=threads, **kwargs)
-    group.key = key  # type: ignore[attr-defined]
-    _GROUPS[kind] = group
+def _find(role: str) -> list:
+    """The named actors of `role` (`rlake:<role>:<build>:<rank>`), rank order; an empty list when none.
+    Each build gets a fresh `<build>` nonce, so a rebuilt group never waits for a dead actor's name."""
+    names = _named(f"{NAME_PREFIX}{role}:")
+    builds = {n.split(":")[2] for n in names}
+    if len(builds) != 1:
+        for n in names:  # leftovers of an interrupted rebuild: start clean
+            _kill_named(n)
+        return []
+    ranks = sorted(int(n.rsplit(":", 1)[1]) for n in names)
+    if ranks != list(range(len(ranks))):
+        return []
+    build = builds.pop()
+    return [ray.get_actor(f"{NAME_PREFIX}{role}:{build}:{r}") for r in ranks]
+
+
+def _kill_named(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name), no_restart=True)
+    except Exception:  # noqa: BLE001 - died meanwhile
+        pass
+
+
+def worker_group(worker_cls: type, role: str, num_workers: int, *, threads: int = 1,
+                 process_group: bool = False, **init_kwargs: Any) -> WorkerGroup:
+    """The run's group of `role`, created on first use and rebuilt when its shape changed.
+
+    init_kwargs go to worker_cls(rank, world, threads, shape, **init_kwargs); with process_group the
+    ranks join one gloo group (rank i = actor i)."""
+    shape = repr((worker_cls.__module__, worker_cls.__qualname__, num_workers, threads, process_group,
+                  sorted(init_kwargs.items())))
+    handles = _find(role)
+    if handles:
+        try:
+            if len(handles) == num_workers and ray.get([h.shape.remote() for h in handles]) == [shape] * num_workers:
+                return WorkerGroup(worker_cls, role, handles)
+        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            pass
+        WorkerGroup(worker_cls, role, handles).kill()  # one group per role: a new shape replaces the old
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
+    build = uuid.uuid4().hex[:8]
+    handles = [remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}").remote(i, num_workers, threads, shape,
+                                                                              **init_kwargs)
+               for i in range(num_workers)]
+    group = WorkerGroup(worker_cls, role, handles)
+    if process_group and num_workers > 1:
+        host, port = ray.get(handles[0].free_address.remote())
+        group.call(Worker.init_process_group, host, port)
     return group
 
 
-def run_with_retry(kind: str, num_workers: int, fn: Callable[[WorkerGroup], Any], *, threads: int = 1,
-                   retries: int = 1, **kwargs: Any) -> Any:
-    """fn(group); if an actor died (not a Python error in the task), rebuild the group and retry,
+def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerGroup], R], *,
+                    retries: int = 1) -> R:
+    """fn(make_group()); if an actor died (not a Python error in the task), rebuild the group and retry,
     up to `retries` times, then raise the last error."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
     for attempt in range(retries + 1):
-        group = worker_group(kind, num_workers, threads=threads, **kwargs)
+        group = make_group()
         try:
             return fn(group)
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             group.kill()
             if attempt == retries:
                 raise
-            log.warning("%s worker group lost an actor (%s); rebuilding it, retry %d of %d", kind, exc,
+            log.warning("%s worker group lost an actor (%s); rebuilding it, retry %d of %d", group.role, exc,
                         attempt + 1, retries)
+    raise AssertionError("unreachable")
 
 
 def shutdown_worker_groups() -> None:
-    """Kill every cached group (the driver exiting does the same)."""
-    for group in _GROUPS.values():
-        if group.alive:
-            group.kill()
-    _GROUPS.clear()
+    """Kill every rlake worker of this Ray session (the driver exiting does the same)."""
+    for name in _named(NAME_PREFIX):
+        _kill_named(name)
