@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
+
 from stages import seeds
+from stages.data.word_problems import generate_word_problem_task
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 ARITH_SOURCE = "rlake/arith"
@@ -59,8 +61,6 @@ def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
 def generate_synthetic_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     """The configured synthetic task (cfg.task: addition | word_problems) as train/val parquet paths."""
     if cfg.task == "word_problems":
-        from stages.data.word_problems import generate_word_problem_task
-
         return generate_word_problem_task(out_dir, cfg)
     return generate_arith_task(out_dir, cfg)
 

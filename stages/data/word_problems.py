@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
+
 from stages import seeds
 
 WORD_PROBLEM_SOURCE = "rlake/gsm8k_synth"

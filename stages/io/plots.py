@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 
 import pandas as pd
+from deltalake import DeltaTable
+from matplotlib.figure import Figure
 
 from stages.io.store import table_exists
 
@@ -32,8 +34,6 @@ def load_run_metrics(tables_root: str | Path, run_id: str) -> pd.DataFrame:
     """iteration_metrics rows of one run (iteration, policy_version, metric, value), newest table version.
 
     Raises FileNotFoundError without the table, LookupError (naming the runs it holds) without rows."""
-    from deltalake import DeltaTable
-
     uri = str(Path(tables_root) / METRICS_TABLE)
     if not table_exists(uri):
         raise FileNotFoundError(f"no {METRICS_TABLE} Delta table at '{uri}': the tables directory of a run "
@@ -76,8 +76,6 @@ def _plot_validation(ax, df: pd.DataFrame, *, annotate: bool) -> bool:
 
 def validation_figure(df: pd.DataFrame, title: str):
     """Validation reward per policy version, with the training reward of each iteration dashed."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(7, 4.2))
     ax = fig.subplots()
     _plot_validation(ax, df, annotate=True)
@@ -94,8 +92,6 @@ def validation_figure(df: pd.DataFrame, title: str):
 
 def run_figure(df: pd.DataFrame, title: str):
     """One figure, a panel each: training reward, response length, KL, entropy, validation rewards."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(12, 7))
     axes = fig.subplots(2, 3).ravel()
     for ax, (name, metrics) in zip(axes, TRAIN_PANELS):

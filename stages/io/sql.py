@@ -5,14 +5,14 @@ import difflib
 import re
 from pathlib import Path
 
+import duckdb
 import pandas as pd
 from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
 
 
 def connect(tables_root: str | Path, versions: dict[str, int] | None = None):
     """A DuckDB connection with one view per Delta table under tables_root (optionally time-travelled)."""
-    import duckdb
-
     root = Path(tables_root)
     if not root.is_dir():
         raise FileNotFoundError(f"no tables under '{root}': run `rlake train` first or pass --tables")
@@ -34,8 +34,6 @@ def connect(tables_root: str | Path, versions: dict[str, int] | None = None):
 
 def _dataset(path: Path, key: str, version: int | None):
     """The table's Arrow dataset at `version` (latest when None); a version it lacks is a ValueError."""
-    from deltalake.exceptions import DeltaError
-
     try:
         return DeltaTable(str(path), version=version).to_pyarrow_dataset()
     except DeltaError as exc:
@@ -48,8 +46,6 @@ def _dataset(path: Path, key: str, version: int | None):
 
 def query(tables_root: str | Path, sql: str, versions: dict[str, int] | None = None) -> pd.DataFrame:
     """Run `sql` over the tables; a DuckDB error becomes a one-line ValueError naming what exists."""
-    import duckdb
-
     con = connect(tables_root, versions)
     try:
         return con.execute(sql).fetchdf()
@@ -66,8 +62,6 @@ _TABLE = re.compile(r'Table with name "?([^"\s!]+)"? does not exist|Referenced t
 
 def explain_error(con, sql: str, exc: Exception) -> str:
     """One line: DuckDB's first line, a did-you-mean, and the tables (with columns) that exist."""
-    import duckdb
-
     first = str(exc).strip().splitlines()[0].rstrip("!") if str(exc).strip() else type(exc).__name__
     try:
         rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "

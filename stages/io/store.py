@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ def code_version() -> str:
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        from importlib.metadata import PackageNotFoundError, version
         try:
             return "rlake-" + version("rlake")
         except PackageNotFoundError:

@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from mlflow.data.delta_dataset_source import DeltaDatasetSource
+from mlflow.entities import Dataset, DatasetInput, InputTag
 
+from stages.io.plots import load_run_metrics, validation_figure
 from stages.io.store import commit_lineage, table_exists
 
 LINEAGE_TABLES = ("prompts", "prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "values", "advantages",
@@ -83,9 +86,6 @@ def iteration_lineage(tables_root: str | Path, run_id: str, iteration: int, *,
 
 def delta_dataset_input(entry: dict[str, Any], iteration: int):
     """An MLflow DatasetInput for one lineage entry: dataset named after the table, source = URI + version."""
-    from mlflow.data.delta_dataset_source import DeltaDatasetSource
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-
     version = int(entry["version"])
     # built by hand: DeltaDatasetSource.to_dict() drops a version of 0 (falsy); from_dict reads this back
     source = json.dumps({"path": entry["uri"], "delta_table_version": version})
@@ -129,8 +129,6 @@ def log_validation_samples(client, mlflow_run_id: str, scored: dict[str, pd.Data
 
 def log_validation_figure(client, mlflow_run_id: str, tables_root: str | Path, run_id: str) -> str:
     """validation_curve.png (stages.io.plots.validation_figure) of the run's iteration_metrics rows."""
-    from stages.io.plots import load_run_metrics, validation_figure
-
     fig = validation_figure(load_run_metrics(tables_root, run_id), f"validation curve, run {run_id}")
     client.log_figure(mlflow_run_id, fig, VALIDATION_FIGURE)
     return VALIDATION_FIGURE

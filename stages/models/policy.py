@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
@@ -14,8 +15,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
 
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of a local HF checkpoint (left padding, pad falls back to eos); no weights read."""
-    from transformers import AutoTokenizer
-
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -30,8 +29,6 @@ def load_tokenizer(model_dir: str | Path):
 
 def load_policy(model_dir: str | Path, dtype: str = "float32"):
     """Load (model, tokenizer) from a local HF checkpoint; never touches a hub."""
-    from transformers import AutoModelForCausalLM
-
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(Path(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
     return model, tok

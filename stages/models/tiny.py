@@ -6,6 +6,8 @@ import math
 import string
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from stages.models.policy import encode_chat
 
@@ -20,9 +22,6 @@ CHAT_TEMPLATE = (
 
 def build_char_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     """A character-level tokenizer with chat template, built in-process (under a second)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -35,8 +34,6 @@ def build_char_tokenizer():  # -> transformers.PreTrainedTokenizerFast
 
 def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schema.TinyModelConfig
     """A randomly initialised tiny Qwen2ForCausalLM."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlflow.tracking import MlflowClient
+
 HIGHER_IS_BETTER = ("reward", "score", "acc")
 LOWER_IS_BETTER = ("loss",)
 
@@ -82,8 +84,6 @@ def _final_best(points: list[tuple[int, float]] | None, direction: str | None):
 def compare_runs(tracking_uri: str, run_a: str, run_b: str, *, experiment: str | None = None,
                  metric_prefixes: tuple[str, ...] = ()) -> Comparison:
     """Read both runs from the MLflow store at tracking_uri and line them up."""
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(tracking_uri=tracking_uri)
     a, b = find_run(client, run_a, experiment), find_run(client, run_b, experiment)
     skip = {"trainer.run_id"}

@@ -6,7 +6,10 @@ old_logprobs before the update, as verl does, so PPO ratios never depend on engi
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 
 from stages.models.engines.base import Generation, RolloutEngine, SamplingSpec
 from stages.models.policy import load_policy
@@ -25,9 +28,6 @@ class HFEngine(RolloutEngine):
         self.model.eval()
 
     def load_checkpoint(self, model_dir: str) -> None:
-        from safetensors.torch import load_file
-        from pathlib import Path
-
         state = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))

@@ -28,6 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+
 from stages.models.engines.base import Generation, RolloutEngine, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,7 @@ def _repack_cpu_embedding_gemms(model) -> int:
     holds the new values but the packed copy used for logits stays stale (measured: greedy
     output diverged from HF on the new weights). Linear layers drop their weight and are re-packed
     correctly by reload. Returns the number of layers re-packed."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 - optional extra
 
     n = 0
     for module in model.modules():
@@ -54,8 +57,6 @@ def _repack_cpu_embedding_gemms(model) -> int:
 
 def _safetensors_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
     """(name, tensor) pairs of every *.safetensors file in an HF checkpoint directory."""
-    from safetensors import safe_open
-
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in checkpoint '{model_dir}'")
@@ -88,8 +89,6 @@ class VLLMEngine(RolloutEngine):
         if num_threads:
             # vLLM drops torch to 1 intra-op thread for serving unless OMP_NUM_THREADS is set.
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
-            import torch
-
             torch.set_num_threads(num_threads)
         self.model_dir = str(model_dir)
         self.dtype = dtype
@@ -107,8 +106,7 @@ class VLLMEngine(RolloutEngine):
 
     # -- construction -------------------------------------------------------------------------
     def _build_llm(self, model_dir: str):  # -> vllm.LLM
-        import torch
-        from vllm import LLM
+        from vllm import LLM  # noqa: PLC0415 - optional extra
 
         kwargs: dict[str, Any] = dict(
             model=model_dir, tokenizer=model_dir, dtype=self.dtype, enforce_eager=self.enforce_eager,
@@ -137,7 +135,7 @@ class VLLMEngine(RolloutEngine):
     # -- generation ---------------------------------------------------------------------------
     def sampling_params(self, sampling: SamplingSpec):  # -> vllm.SamplingParams
         """Map the engine-neutral SamplingSpec to vLLM's SamplingParams."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # noqa: PLC0415 - optional extra
 
         greedy = sampling.greedy or sampling.temperature == 0
         return SamplingParams(
@@ -155,7 +153,7 @@ class VLLMEngine(RolloutEngine):
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Generation]]:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415 - optional extra
 
         if not prompt_token_ids:
             return []
@@ -211,6 +209,6 @@ class VLLMEngine(RolloutEngine):
         except Exception:  # noqa: BLE001 - best effort; dropping the reference frees the rest
             pass
         del llm
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 - optional extra
 
         cleanup_dist_env_and_memory()  # so a new LLM can initialise the process group again
