@@ -91,6 +91,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             "sequences": len(prompts) * args.n, "threads": args.threads}
 
 
+# long: the benchmark's steps in the order they run and are reported; splitting hides the order
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads per engine")

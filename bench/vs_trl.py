@@ -78,6 +78,7 @@ def resolve_model(name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # TRL worker (runs inside .venv-trl)
 # ---------------------------------------------------------------------------------------------
+# long: TRL's whole training loop as its users write it, kept in one piece to compare with rlake
 def run_trl(args: argparse.Namespace) -> dict:
     import pandas as pd
     import torch
@@ -187,6 +188,7 @@ def summarize(r: dict) -> dict:
             "load_end": r["load_end"]}
 
 
+# long: the benchmark's steps in the order they run and are reported; splitting hides the order
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="'smollm2' (SmolLM2-135M-Instruct) or an HF checkpoint dir")

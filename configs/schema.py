@@ -113,9 +113,9 @@ class RolloutConfig(_Strict):
     top_k: int = -1
     """-1 disables top-k."""
     seed: int = 0
-    """Sampling seed; iteration i uses seed + i."""
+    """Sampling seed; iteration i uses seed + i (stages/seeds.py)."""
     num_workers: int = 1
-    """Ray Data actors running an engine each."""
+    """RolloutWorker actors, each holding one engine for the whole run; a batch is split over them."""
     micro_batch_size: int = 256
     """Sequences per generate call inside an actor."""
     stop: list[str] = []
@@ -247,7 +247,7 @@ class RewardConfig(_Strict):
     """Answer extraction of the gsm8k-family scorers (verl's gsm8k compute_score `method`): strict = the
     last '#### N'; flexible = the last number in the response's final 300 characters."""
     num_workers: int = 2
-    """Parallel Ray Data workers scoring rewards."""
+    """Parallel Ray tasks scoring rewards (the batch is split into this many blocks)."""
     on_error: Literal["raise", "flag"] = "raise"
     """A reward function that raises or returns NaN: stop with the row named, or flag the row
     (reward NaN, reward_error set) and let the blocking asset check stop the iteration."""

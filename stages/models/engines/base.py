@@ -1,6 +1,6 @@
 """The rollout engine interface every generation backend implements.
 
-An engine is built once (per Ray Data actor) from a HF-format checkpoint directory, generates
+An engine is built once per RolloutWorker (stages/workers) from a HF-format checkpoint directory, generates
 from already-tokenized prompts, and can take new weights in place after a policy update.
 """
 from __future__ import annotations
