@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import dagster as dg
 import pandas as pd
 
+from stages.dag import TABLES
 from stages.io import store
 from stages.io.tables import PROMPTS_ITERATION
 
@@ -27,12 +28,6 @@ def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, 
             "upstream_version_source": sources, "duration_s": f"{duration_s:.3f}"}
 
 
-ASSET_OF_TABLE = {"prompts": "prompts", "prompt_batches": "prompt_batch", "rollouts": "rollouts",
-                  "scored_rollouts": "scored_rollouts", "advantages": "advantages",
-                  "iteration_metrics": "iteration_metrics", "values": "values",
-                  "ref_logprobs": "ref_logprobs"}
-
-
 class UpstreamVersion(int):
     """A Delta table version plus where it came from: "dagster" (the upstream asset's latest
     materialization of this partition recorded it) or "newest" (no such record: the table's newest version)."""
@@ -49,13 +44,13 @@ def recorded_version(instance: dg.DagsterInstance, uri: str, table: str, run_id:
                      *, lookback: int = 20) -> int | None:
     """The Delta version of `table` that the upstream asset's latest materialization of this iteration's
     partition recorded ("delta_version" metadata), checked against the commit's own lineage (same run,
-    same iteration), so materializations of another rlake run or another output_dir are skipped."""
-    asset = ASSET_OF_TABLE.get(table)
-    if asset is None or not store.table_exists(uri):
+    same iteration), so materializations of another rlake run or another output_dir are skipped.
+    The asset that writes a table has the table's name (stages/dag.py)."""
+    if table not in TABLES or not store.table_exists(uri):
         return None
     partitions = None if iteration == PROMPTS_ITERATION else [str(iteration)]
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=partitions), limit=lookback).records
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(table), asset_partitions=partitions), limit=lookback).records
     commits = {c["version"]: c for c in store.commit_lineage(uri, run_id=run_id, iteration=iteration)}
     for rec in records:  # newest first
         meta = rec.asset_materialization.metadata if rec.asset_materialization else {}
@@ -72,11 +67,17 @@ def read_recorded(context, rollout_store, table: str, run_id: str, iteration: in
     version = recorded_version(context.instance, uri, table, run_id, iteration)
     if version is None:
         df, newest = rollout_store.read(table, run_id, iteration)
-        context.log.warning(f"no Dagster materialization of '{ASSET_OF_TABLE.get(table, table)}' records a version "
+        context.log.warning(f"no Dagster materialization of '{table}' records a version "
                             f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}")
         return df, UpstreamVersion(newest, "newest")
     df, _ = rollout_store.read(table, run_id, iteration, version=version)
     return df, UpstreamVersion(version, "dagster")
+
+
+def train_prompt_count(rollout_store, run_id: str) -> int:
+    """Training prompts of run `run_id` (the epoch length of the data cursor in trainer_state.json)."""
+    rows, _ = rollout_store.read("prompts", run_id, PROMPTS_ITERATION, columns=["split"])
+    return int((rows["split"] == "train").sum())
 
 
 @contextmanager

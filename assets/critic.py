@@ -1,6 +1,6 @@
 """PPO-with-GAE critic assets: the rollouts' per-token values and the critic update.
 
-In the iteration job only when algorithm.adv_estimator == "gae" (pipelines.jobs). Critic version 0
+In the iteration job only when algorithm.adv_estimator == "gae" (stages/dag.py uses_critic). Critic version 0
 is created lazily from policy version 0 by `values` of iteration 0 (no set-up asset), so a GRPO run
 never builds one; critic version v scores iteration v, critic_checkpoint of iteration v writes v+1.
 """
@@ -10,12 +10,13 @@ import numpy as np
 
 from assets.common import TRAIN, iterations, lineage, read_recorded, timed
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
-from assets.scoring import advantages, scored_rollouts
-from stages.train.critic import prune_critics, require_critic, run_critic_update, update_rows, values_frame
-from stages import seeds
+from stages.critic_update import train_critic
+from stages.dag import upstream
+from stages.train.critic import prune_critics, require_critic
+from stages.values import rollout_values
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts],
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=upstream("values"),
           check_specs=[dg.AssetCheckSpec("values_finite", asset="values", blocking=True)])
 def values(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
            model_store: ModelStoreResource) -> dg.MaterializeResult:
@@ -25,7 +26,7 @@ def values(context: dg.AssetExecutionContext, run_config: RunConfigResource, rol
     ms = model_store.for_run(cfg.run_id)
     with timed() as t:
         critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"values of iteration {it}")
-        vals = values_frame(df, critic_dir, critic_version=it, micro_batch_size=cfg.critic.ppo_micro_batch_size)
+        vals = rollout_values(cfg, df, critic_dir, it)
     v = rollout_store.write("values", vals, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="values", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
     flat = np.concatenate([np.asarray(x, dtype=np.float64) for x in vals["values"]] + [np.zeros(0)])
@@ -36,7 +37,7 @@ def values(context: dg.AssetExecutionContext, run_config: RunConfigResource, rol
                                                                    metadata={"non_finite": bad})])
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch"}, deps=[advantages, values])
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch"}, deps=upstream("critic_checkpoint"))
 def critic_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource) -> dg.MaterializeResult:
     """Critic update (clipped value loss towards the GAE returns); writes critic version iteration+1."""
@@ -45,8 +46,8 @@ def critic_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigRe
     vals, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     out = ms.critic_dir(it + 1)
-    metrics = run_critic_update(require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"),
-                                out, update_rows(adv, vals), cfg.critic, n_per_prompt=cfg.rollout.n, seed=seeds.update(cfg.seed, it))
+    metrics = train_critic(cfg, it, adv, vals, out_dir=out, critic_dir=require_critic(
+        ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"))
     pruned = prune_critics(ms, cfg.trainer.save_freq, latest=it + 1)
     return dg.MaterializeResult(metadata={**metrics, "critic_version": it + 1, "path": str(out), "pruned_versions": pruned,
                                           "advantages_version": int(adv_version), "values_version": int(values_version)})

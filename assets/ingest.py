@@ -6,11 +6,13 @@ import pandas as pd
 from assets.common import DATA, TRAIN, lineage, read_recorded, timed
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
+from stages.dag import upstream
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.prompts import build_prompt_rows
 from stages.models.policy import load_tokenizer
 from stages.initial_policy import create_initial_policy
 from stages.io.tables import PROMPTS_ITERATION
+from stages.run.resume import save_trainer_state
 
 
 @dg.asset(group_name=DATA, kinds={"delta"})
@@ -26,10 +28,11 @@ def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) 
                                           "val": counts.get("val", 0), "data_sources": sorted(df["data_source"].unique())})
 
 
-@dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=[prompts])
+@dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=upstream("initial_policy"))
 def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource, model_store: ModelStoreResource,
                    ray: RayResource, tracker: TrackerResource) -> dg.MaterializeResult:
-    """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training."""
+    """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training, and its
+    trainer_state.json (stages.run.resume)."""
     cfg = run_config.load()
     rows, prompts_version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     out = model_store.for_run(cfg.run_id).policy_dir(0)
@@ -46,4 +49,5 @@ def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResou
                                   lineage=write_lineage)
     tracker.log_iteration(mlflow_id, rollout_store.root, cfg.run_id, PROMPTS_ITERATION, metrics_version=version,
                           policy_version=0, validation=scored)
+    save_trainer_state(cfg, out, 0, int((rows["split"] == "train").sum()))
     return dg.MaterializeResult(metadata={**meta, **val, "path": str(out), "metrics_delta_version": version})

@@ -5,12 +5,12 @@ import numpy as np
 
 from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from assets.rollout import rollouts
-from stages.train.batching import logprob_temperature
-from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs
+from stages.dag import upstream
+from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "pytorch", "delta"}, deps=[rollouts])
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "pytorch", "delta"},
+          deps=upstream("ref_logprobs"))
 def ref_logprobs(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                  model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the reference policy (policy version 0)."""
@@ -19,12 +19,10 @@ def ref_logprobs(context: dg.AssetExecutionContext, run_config: RunConfigResourc
     ref_dir = model_store.for_run(cfg.run_id).require(REF_POLICY_VERSION, needed_by=f"ref_logprobs of iteration {it}")
     ray.ensure()
     with timed() as t:
-        out = compute_ref_logprobs(df, model_dir=str(ref_dir), micro_batch_size=cfg.actor.ppo_micro_batch_size,
-                                   num_workers=cfg.rollout.num_workers,
-                                   temperature=logprob_temperature(cfg.rollout.temperature))
+        out = reference_logprobs(cfg, df, ref_dir)
     v = rollout_store.write("ref_logprobs", out, run_id=cfg.run_id, iteration=it, lineage=lineage(
         cfg, stage="ref_logprobs", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
     log_ratio = np.concatenate([np.asarray(a) - np.asarray(b) for a, b in zip(df.sort_values("rollout_id")["rollout_logprobs"],
-                                                                              out["ref_logprobs"])] or [np.zeros(0)])
+                                                                              out["ref_logprobs"], strict=True)] or [np.zeros(0)])
     return dg.MaterializeResult(metadata={"delta_version": v, "rollouts": len(out), "ref_policy_version": REF_POLICY_VERSION,
                                           "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0, "ref_s": t["s"]})

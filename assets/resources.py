@@ -1,35 +1,56 @@
 """Dagster resources, one per external system, all real on local storage by default.
 
-The classes live here (assets annotate with them); pipelines.resources builds them from a config."""
+The classes live here (assets annotate with them); pipelines.resources builds them from a RunConfig."""
+
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-from functools import lru_cache
+import time
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pandas as pd
+import yaml
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
 
-from configs.schema import RunConfig, load_config
+from configs.schema import RunConfig
 from stages.io import store
 from stages.io.checkpoints import ModelStore
+from stages.io.tracking import (END_STATUSES, code_tags, log_lineage, log_validation_figure, log_validation_samples,
+                                set_status)
+from stages.workers.group import ensure_ray
+
+_PARSED: dict[str, RunConfig] = {}
+"""sha256 of a config's JSON -> its RunConfig: each distinct config is validated once per process."""
 
 
-@lru_cache(maxsize=16)
-def _load(path: str, overrides: tuple[str, ...]) -> RunConfig:
-    return load_config(path, overrides)
+def _digest(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()
 
 
 class RunConfigResource(dg.ConfigurableResource):
-    """The rlake RunConfig: a YAML path plus key.sub=value overrides."""
+    """The run's resolved RunConfig (bases, overrides and run id applied) as JSON, parsed once per process.
 
-    config_path: str
-    overrides: list[str] = []
+    `rlake train` and the `dagster dev` code location build it with `of(load_config(...))`, so no asset
+    reads YAML or re-applies overrides; `load()` returns the same RunConfig object on every call."""
+
+    config_json: str
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> RunConfigResource:
+        """The resource holding `cfg` (this process's `load()` returns `cfg` itself: no second validation)."""
+        config_json = cfg.model_dump_json()
+        _PARSED[_digest(config_json)] = cfg
+        return cls(config_json=config_json)
 
     def load(self) -> RunConfig:
-        return _load(self.config_path, tuple(self.overrides))
+        key = _digest(self.config_json)
+        if key not in _PARSED:  # JSON this process did not get from `of` (e.g. edited in the launchpad)
+            _PARSED[key] = RunConfig.model_validate_json(self.config_json)
+        return _PARSED[key]
 
 
 class RayResource(dg.ConfigurableResource):
@@ -39,18 +60,7 @@ class RayResource(dg.ConfigurableResource):
     num_cpus: int | None = None
 
     def ensure(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return
-        os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
-        ray.init(address=self.address, num_cpus=None if self.address else self.num_cpus,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
-        import ray.data
-
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.print_on_execution_start = False
+        ensure_ray(self.address, self.num_cpus)
 
 
 class RolloutStoreResource(dg.ConfigurableResource):
@@ -64,11 +74,12 @@ class RolloutStoreResource(dg.ConfigurableResource):
     def write(self, table: str, df: pd.DataFrame, *, run_id: str, iteration: int, lineage: dict[str, Any]) -> int:
         return store.write_partition(self.uri(table), table, df, run_id=run_id, iteration=iteration, lineage=lineage)
 
-    def read(self, table: str, run_id: str, iteration: int, *, version: int | None = None) -> tuple[pd.DataFrame, int]:
-        """(rows, table version read)."""
+    def read(self, table: str, run_id: str, iteration: int, *, version: int | None = None,
+             columns: list[str] | None = None) -> tuple[pd.DataFrame, int]:
+        """(rows, table version read); `columns`: only those."""
         uri = self.uri(table)
         version = store.table_version(uri) if version is None and store.table_exists(uri) else version
-        return store.read_partition(uri, run_id, iteration, version=version), version
+        return store.read_partition(uri, run_id, iteration, version=version, columns=columns), version
 
 
 class ModelStoreResource(dg.ConfigurableResource):
@@ -93,9 +104,7 @@ class TrackerResource(dg.ConfigurableResource):
     artifact_root: str | None = None
     """Where the experiment's artifacts go (else MLflow's default, ./mlruns of the current directory)."""
 
-    def _client(self):
-        from mlflow.tracking import MlflowClient
-
+    def _client(self) -> MlflowClient:
         return MlflowClient(tracking_uri=self.tracking_uri)
 
     def _find(self, client, run_id: str, *, create_experiment: bool):
@@ -113,8 +122,6 @@ class TrackerResource(dg.ConfigurableResource):
 
         With `step` (the step about to be logged): an ended run is reopened unless it already logged
         that step, and the tag rlake.last_step keeps the highest step seen."""
-        from stages.io.tracking import code_tags, set_status
-
         client = self._client()
         exp_id, found = self._find(client, run_id, create_experiment=True)
         if found is not None:
@@ -129,19 +136,13 @@ class TrackerResource(dg.ConfigurableResource):
         if cfg is not None:
             flat = pd.json_normalize(cfg.model_dump(mode="json"), sep=".").iloc[0].to_dict()
             params = [(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in sorted(flat.items())]
-            from mlflow.entities import Param
             for i in range(0, len(params), 100):
                 client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in params[i:i + 100]])
-            import yaml
             client.log_text(run.info.run_id, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
             client.set_tag(run.info.run_id, "rlake.config_hash", cfg.config_hash())
         return run.info.run_id
 
     def log_metrics(self, mlflow_run_id: str, metrics: dict[str, float], step: int) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         items = [Metric(k.replace("@", "_at_"), float(v), now, step) for k, v in sorted(metrics.items())]
         client = self._client()
@@ -152,8 +153,6 @@ class TrackerResource(dg.ConfigurableResource):
                       policy_version: int, validation: dict[str, pd.DataFrame] | None = None) -> None:
         """After the iteration's iteration_metrics write: its Delta table versions as dataset inputs and,
         when it validated, samples/val_step_<policy_version>.json (stages.io.tracking)."""
-        from stages.io.tracking import log_lineage, log_validation_samples
-
         client = self._client()
         log_lineage(client, mlflow_run_id, tables_root, run_id, iteration, metrics_version=metrics_version)
         if validation is not None:
@@ -164,8 +163,6 @@ class TrackerResource(dg.ConfigurableResource):
         """End the MLflow run of rlake run `rlake_run_id` with status FINISHED, FAILED or KILLED; with
         tables_root, first log validation_curve.png from its iteration_metrics table. Returns the MLflow
         run id, None when the rlake run never logged to MLflow (nothing to end)."""
-        from stages.io.tracking import END_STATUSES, log_validation_figure, set_status
-
         if status not in END_STATUSES:
             raise ValueError(f"end_run status '{status}' is not an end status. Valid: {list(END_STATUSES)}")
         client = self._client()

@@ -4,34 +4,29 @@ import dagster as dg
 import pandas as pd
 
 from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
-from assets.ingest import initial_policy, prompts
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.rollout import sample_rollouts
-from stages.prompt_batch import iteration_prompts
-from stages.prompt_batch import prompt_batch_frame
+from stages.dag import upstream
 from stages.models.policy import load_tokenizer
+from stages.prompt_batch import build_prompt_batch
+from stages.rollout import sample_rollouts
 from stages.io.tables import PROMPTS_ITERATION
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"delta"}, deps=[prompts, initial_policy])
-def prompt_batch(context: dg.AssetExecutionContext, run_config: RunConfigResource,
-                 rollout_store: RolloutStoreResource, model_store: ModelStoreResource) -> dg.MaterializeResult:
-    """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized."""
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"delta"}, deps=upstream("prompt_batches"))
+def prompt_batches(context: dg.AssetExecutionContext, run_config: RunConfigResource,
+                   rollout_store: RolloutStoreResource, model_store: ModelStoreResource) -> dg.MaterializeResult:
+    """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized (stages/prompt_batch.py)."""
     cfg, it = run_config.load(), int(context.partition_key)
     rows, version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     with timed() as t:
-        train = rows[rows["split"] == "train"].set_index("prompt_id")
-        picks = iteration_prompts(list(train.index), it, cfg)  # (prompt_id, epoch, position, gen_round)
-        chosen = train.loc[[p[0] for p in picks]].reset_index()
-        tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batch"))
-        batch = prompt_batch_frame(chosen, tok, cfg.data.max_prompt_length)
-        batch = batch.assign(epoch=[p[1] for p in picks], position=[p[2] for p in picks], gen_round=[p[3] for p in picks])
-    v = rollout_store.write("prompt_batches", batch, run_id=cfg.run_id, iteration=it,
-                            lineage=lineage(cfg, stage="prompt_batch", policy_version=it, upstream={"prompts": version}, duration_s=t["s"]))
+        tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batches"))
+        batch = build_prompt_batch(cfg, rows, it, tok)
+    v = rollout_store.write("prompt_batches", batch, run_id=cfg.run_id, iteration=it, lineage=lineage(
+        cfg, stage="prompt_batches", policy_version=it, upstream={"prompts": version}, duration_s=t["s"]))
     return dg.MaterializeResult(metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())})
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=[prompt_batch],
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=upstream("rollouts"),
           check_specs=[dg.AssetCheckSpec("responses_nonempty", asset="rollouts", blocking=True)])
 def rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
              model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:

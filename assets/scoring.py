@@ -5,14 +5,13 @@ import numpy as np
 
 from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_recorded, timed
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
-from assets.rollout import rollouts
 from stages.advantage import compute_advantage_table, drop_flagged_rollouts, kl_coef_for_iteration, uses_adaptive_kl
+from stages.dag import upstream, uses_critic, uses_reference
 from stages.filter_groups import select_training_groups
-from stages.ref_logprobs import needs_ref_logprobs
 from stages.reward import score_rollouts
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=[rollouts],
+@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=upstream("scored_rollouts"),
           check_specs=[dg.AssetCheckSpec("rewards_finite", asset="scored_rollouts", blocking=True)])
 def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource,
                     rollout_store: RolloutStoreResource, ray: RayResource) -> dg.MaterializeResult:
@@ -34,17 +33,17 @@ def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigReso
                                            metadata={"non_finite": bad, "on_error": cfg.reward.on_error})])
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=[scored_rollouts, dg.AssetKey("values"),
-                                                                               dg.AssetKey("ref_logprobs")],
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=upstream("advantages"),
           check_specs=[dg.AssetCheckSpec("advantages_finite", asset="advantages", blocking=True)])
 def advantages(context: dg.AssetExecutionContext, run_config: RunConfigResource,
                rollout_store: RolloutStoreResource) -> dg.MaterializeResult:
     """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass."""
     cfg, it = run_config.load(), int(context.partition_key)
     scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
-    gae = cfg.algorithm.adv_estimator == "gae"  # PPO with a critic: GAE bootstraps from the `values` table
+    gae = uses_critic(cfg)  # PPO with a critic: GAE bootstraps from the `values` table
     values, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it) if gae else (None, None)
-    ref, ref_version = read_recorded(context, rollout_store, "ref_logprobs", cfg.run_id, it) if needs_ref_logprobs(cfg) else (None, None)
+    kl = uses_reference(cfg)  # KL loss or KL in the reward: the reference policy's log-probs
+    ref, ref_version = read_recorded(context, rollout_store, "ref_logprobs", cfg.run_id, it) if kl else (None, None)
     # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
     prev, prev_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it - 1) if uses_adaptive_kl(cfg) and it > 0 else (None, None)
     if cfg.reward.on_error == "flag":

@@ -5,39 +5,41 @@ import json
 import dagster as dg
 import pandas as pd
 
-from assets.common import EVAL, TRAIN, iterations, lineage, read_recorded
+from assets.common import EVAL, TRAIN, iterations, lineage, read_recorded, train_prompt_count
 from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
                               TrackerResource)
-from assets.scoring import advantages
+from stages.dag import ITERATION, STEP_TIMINGS, upstream, uses_critic
+from stages.run.resume import save_trainer_state
 from stages.train.critic import critic_metrics
 from stages.metrics import rollout_metrics
 from stages.models.policy import load_tokenizer
 from stages.io.store import commit_lineage, table_exists
 from stages.io.tables import PROMPTS_ITERATION
-from stages.run.replay import policy_update_job
-from stages.update import METRICS_FILE, run_policy_update
+from stages.update import METRICS_FILE, policy_checkpoint_update
 from stages.evaluate import validation_rollouts, validation_summary
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=[advantages],
+@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=upstream("policy_checkpoint"),
           check_specs=[dg.AssetCheckSpec("ppo_kl_within_limit", asset="policy_checkpoint", blocking=True,
                                          description="|actor/ppo_kl| <= trainer.max_ppo_kl (null: off)")])
 def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
-    """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer state)."""
+    """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer
+    state) and its trainer_state.json (stages.run.resume), whether `rlake train` or the UI launched the run."""
     cfg, it = run_config.load(), int(context.partition_key)
     ms = model_store.for_run(cfg.run_id)
     uri = rollout_store.uri("advantages")
     _, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
-    job = policy_update_job(cfg, it, advantages_uri=uri, advantages_version=adv_version, out_dir=ms.policy_dir(it + 1),
-                            policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"))
+    out_dir = ms.policy_dir(it + 1)
     ray.ensure()
-    metrics = run_policy_update(job, num_workers=cfg.actor.num_workers)
+    metrics = policy_checkpoint_update(cfg, it, advantages_uri=uri, advantages_version=adv_version, out_dir=out_dir,
+                                       policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"))
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
+    save_trainer_state(cfg, out_dir, it + 1, train_prompt_count(rollout_store, cfg.run_id))
     kl_check = ppo_kl_check(metrics, cfg.trainer.max_ppo_kl, it)
     if not kl_check.passed:
         context.log.error(kl_check.description)
-    return dg.MaterializeResult(metadata={**metrics, "policy_version": it + 1, "path": job["out_dir"],
+    return dg.MaterializeResult(metadata={**metrics, "policy_version": it + 1, "path": str(out_dir),
                                           "advantages_version": int(adv_version), "pruned_versions": pruned},
                               check_results=[kl_check])
 
@@ -58,7 +60,7 @@ def ppo_kl_check(metrics: dict[str, float], limit: float | None, it: int) -> dg.
 
 
 @dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"},
-          deps=[policy_checkpoint, dg.AssetKey("critic_checkpoint")])
+          deps=upstream("iteration_metrics"))
 def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
                       model_store: ModelStoreResource, tracker: TrackerResource, ray: RayResource) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
@@ -68,10 +70,10 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
     new_dir = model_store.for_run(cfg.run_id).require(it + 1, needed_by="iteration_metrics")
     m = rollout_metrics(scored, adv, cfg.data.max_response_length)
     m |= json.loads((new_dir / METRICS_FILE).read_text()) | stage_timings(rollout_store, cfg.run_id, it)
-    if cfg.algorithm.adv_estimator == "gae":  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
+    if uses_critic(cfg):  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
         m |= critic_metrics(adv, read_recorded(context, rollout_store, "values", cfg.run_id, it)[0],
                             model_store.for_run(cfg.run_id).critic_dir(it + 1))
-    m["timing_s/step"] = sum(m.get(f"timing_s/{k}", 0.0) for k in STEP_STAGES)
+    m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
     last, val = it + 1 == cfg.trainer.total_training_steps, None
     if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
         ray.ensure()
@@ -91,15 +93,13 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
                                           **{k: v for k, v in m.items() if k.startswith("val-core/")}})
 
 
-STEP_STAGES = ("prompt_batch", "rollouts", "ref_logprobs", "scored_rollouts", "advantages", "update", "critic_update")
-
-
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:
-    """timing_s/<stage> from the newest lineage commit of each table for this iteration."""
+    """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the
+    newest lineage commit of its table for this iteration; the updates report theirs in their own metrics."""
     out = {}
-    for table in ("prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "advantages"):
-        uri = rollout_store.uri(table)  # ref_logprobs exists only in runs with KL
+    for stage in (s for s in ITERATION if s.table and s.timing):
+        uri = rollout_store.uri(stage.name)  # ref_logprobs exists only in runs with KL
         commits = commit_lineage(uri, run_id=run_id, iteration=it) if table_exists(uri) else []
         if commits:
-            out[f"timing_s/{commits[0]['stage']}"] = float(commits[0]["duration_s"])
+            out[stage.timing] = float(commits[0]["duration_s"])
     return out

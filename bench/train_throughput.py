@@ -54,7 +54,8 @@ def _take(rows: dict, idx: list[int]) -> dict:
 def _setup_torch(hf, actor_cfg, world: int):
     from torch.nn.parallel import DistributedDataParallel
 
-    from stages.train.actor import make_optimizer, ppo_update
+    from stages.train.actor import ppo_update
+    from stages.train.optim import make_optimizer
 
     opt, sched = make_optimizer(hf, actor_cfg.optim)
     ddp = DistributedDataParallel(hf) if world > 1 else None
@@ -69,7 +70,7 @@ def _setup_megatron(hf, actor_cfg, tp: int, pp: int):
     from stages.train.megatron.cpu_patches import apply_cpu_patches
     from stages.train.megatron.model import build_gpt_model, hf_arch
     from stages.train.megatron.ppo import megatron_ppo_update
-    from stages.train.actor import make_optimizer
+    from stages.train.optim import make_optimizer
 
     apply_cpu_patches()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -89,7 +90,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, name: st
 
     from configs.schema import ActorConfig, TinyModelConfig
     from stages.models.tiny import build_tiny_model
-    from stages.update import shard_for_rank
+    from stages.workers.actor_worker import shard_for_rank
 
     backend, _, threads, tp, pp = CONFIGS[name]
     torch.set_num_threads(threads)

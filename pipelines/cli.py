@@ -1,57 +1,78 @@
-"""The `rlake` command line: train, ui, lineage, sql, replay, compare, export, plot."""
+"""The `rlake` command line: train, ui, lineage, sql, replay, compare, export, plot, config.
+
+Commands import what they need when they run (`# noqa: PLC0415 - CLI start-up`): `rlake --help` and a
+config error stay fast, and the quiet-logging environment (pipelines/logs.py) is set before torch,
+transformers, Ray, MLflow and Dagster are first imported, which read it once.
+"""
+
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
+from configs.errors import load_run_config
+from configs.schema import load_config
+from pipelines.logs import quiet_env, route_framework_logs
+
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def _quiet_env() -> None:
-    from pipelines.logs import quiet_env
-
     quiet_env()
-    import transformers
+    import transformers  # noqa: PLC0415 - CLI start-up
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Framework logs go to <output_dir>/logs/train-<time>.log (--verbose: also stderr); a live display shows progress."""
-    import time
-
-    from configs.schema import load_config
-    from pipelines.logs import route_framework_logs
-    from pipelines.progress import RunProgress
-    from pipelines.runner import run_training
-
-    from pydantic import ValidationError
-
-    from stages.run.preflight import explain_config_error
-
-    try:
-        out = Path(load_config(args.config, list(args.override)).trainer.output_dir).resolve()
-    except ValidationError as exc:
-        raise explain_config_error(exc) from None
+    """Framework logs go to <output_dir>/logs/train-<time>.log (--verbose: also stderr); a live display shows
+    progress. The config is parsed here, once, and passed on as a RunConfig."""
+    cfg = load_run_config(args.config, args.override)  # a bad config fails here, before any heavy import
     _quiet_env()
+    from pipelines.progress import RunProgress  # noqa: PLC0415 - CLI start-up
+    from pipelines.runner import run_training  # noqa: PLC0415 - CLI start-up
+
+    out = Path(cfg.trainer.output_dir).resolve()
     log_file = route_framework_logs(out / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log", verbose=args.verbose)
     with RunProgress().verbose_steps(args.verbose) as progress:
         progress.line(f"framework logs (Ray, Dagster, MLflow, warnings): {log_file}")
-        run_training(args.config, list(args.override), run_id=args.run_id, steps=args.steps, progress=progress)
+        progress.phase("config", args.config)
+        run_training(cfg, run_id=args.run_id, steps=args.steps, progress=progress)
     return 0
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from configs.schema import load_config
-    from pipelines.runner import dagster_home
+    """`dagster dev` on workspace.yaml; its code location (pipelines.definitions.defs) parses RLAKE_CONFIG."""
+    from pipelines.runner import dagster_home  # noqa: PLC0415 - CLI start-up
 
-    cfg = load_config(args.config)
-    env = {**os.environ, "RLAKE_CONFIG": str(Path(args.config).resolve()), "DAGSTER_HOME": str(dagster_home(cfg.trainer.output_dir))}
-    cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(ROOT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(args.port)]
+    cfg = load_run_config(args.config)
+    env = {
+        **os.environ,
+        "RLAKE_CONFIG": str(Path(args.config).resolve()),
+        "DAGSTER_HOME": str(dagster_home(cfg.trainer.output_dir)),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "dev",
+        "-w",
+        str(ROOT / "workspace.yaml"),
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(args.port),
+    ]
     print("starting:", " ".join(cmd), f"(DAGSTER_HOME={env['DAGSTER_HOME']})")
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
@@ -59,15 +80,13 @@ def cmd_ui(args: argparse.Namespace) -> int:
 def _tables_root(args: argparse.Namespace) -> Path:
     if args.tables:
         return Path(args.tables)
-    from configs.schema import load_config
-
     return Path(load_config(args.config).trainer.output_dir).resolve() / "tables"
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415 - CLI start-up
 
-    from stages.io.sql import query
+    from stages.io.sql import query  # noqa: PLC0415 - CLI start-up
 
     versions = {}
     for item in args.version:
@@ -75,16 +94,15 @@ def cmd_sql(args: argparse.Namespace) -> int:
         if not v.isdigit():
             raise ValueError(f"--version expects TABLE=N or ALIAS:TABLE=N, got '{item}'")
         versions[name] = int(v)
-    with pd.option_context("display.max_rows", args.limit, "display.max_columns", 50, "display.width", 200,
-                           "display.max_colwidth", 60):
+    with pd.option_context(
+        "display.max_rows", args.limit, "display.max_columns", 50, "display.width", 200, "display.max_colwidth", 60
+    ):
         print(query(_tables_root(args), args.query, versions).head(args.limit).to_string(index=False))
     return 0
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    import json
-
-    from stages.io.store import commit_lineage
+    from stages.io.store import commit_lineage  # noqa: PLC0415 - CLI start-up
 
     uri = _tables_root(args) / args.table
     for entry in commit_lineage(str(uri), run_id=args.run_id, iteration=args.iteration):
@@ -93,12 +111,13 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, [*args.override, f"trainer.run_id={args.run_id}"])
     _quiet_env()
-    from configs.schema import load_config
-    from stages.run.replay import replay_update
+    from stages.run.replay import replay_update  # noqa: PLC0415 - CLI start-up
 
-    cfg = load_config(args.config, [*args.override, f"trainer.run_id={args.run_id}"])
-    scratch = Path(args.scratch or Path(cfg.trainer.output_dir) / "replay" / args.run_id / f"iteration_{args.iteration}")
+    scratch = Path(
+        args.scratch or Path(cfg.trainer.output_dir) / "replay" / args.run_id / f"iteration_{args.iteration}"
+    )
     try:
         report = replay_update(cfg, args.iteration, scratch, rtol=args.rtol)
     except LookupError as exc:
@@ -110,14 +129,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     _quiet_env()
-    import json
-
-    from stages.run.export import export_policy, resolve_checkpoint
+    from stages.run.export import export_policy, resolve_checkpoint  # noqa: PLC0415 - CLI start-up
 
     out_dir = None
     if args.checkpoint is None:
-        from configs.schema import load_config
-
         out_dir = str(Path(load_config(args.config).trainer.output_dir).resolve())
     src = resolve_checkpoint(args.checkpoint, output_dir=out_dir, run_id=args.run_id, version=args.version)
     print(json.dumps(export_policy(src, args.out, overwrite=args.overwrite), indent=1))
@@ -125,22 +140,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from stages.run.compare import compare_runs, format_comparison
+    from stages.run.compare import compare_runs, format_comparison  # noqa: PLC0415 - CLI start-up
 
     uri = args.tracking_uri
     if uri is None:
-        from configs.schema import load_config
-
         cfg = load_config(args.config)
         uri = cfg.trainer.mlflow_tracking_uri or f"sqlite:///{Path(cfg.trainer.output_dir).resolve() / 'mlflow.db'}"
     prefixes = tuple(p.strip() for p in args.metrics.split(",") if p.strip())
-    print(format_comparison(compare_runs(uri, args.run_a, args.run_b, experiment=args.experiment,
-                                         metric_prefixes=prefixes)), end="")
+    print(
+        format_comparison(
+            compare_runs(uri, args.run_a, args.run_b, experiment=args.experiment, metric_prefixes=prefixes)
+        ),
+        end="",
+    )
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from stages.io.plots import load_run_metrics, run_figure, save_png
+    from stages.io.plots import load_run_metrics, run_figure, save_png  # noqa: PLC0415 - CLI start-up
 
     tables = _tables_root(args)
     try:
@@ -155,17 +172,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved config (bases, overrides and verl names applied) and its hash."""
-    import yaml
-    from pydantic import ValidationError
+    from configs.compose import flatten, yaml_scalar  # noqa: PLC0415 - CLI start-up
 
-    from configs.compose import flatten, yaml_scalar
-    from configs.schema import load_config
-    from stages.run.preflight import explain_config_error
-
-    try:
-        cfg = load_config(args.config, list(args.override))
-    except ValidationError as exc:
-        raise explain_config_error(exc) from None
+    cfg = load_run_config(args.config, args.override)
     tree = cfg.model_dump(mode="json")
     if args.yaml:
         print(yaml.safe_dump(tree, sort_keys=False), end="")
@@ -178,78 +187,100 @@ def cmd_config(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_run_commands(sub)
+    _add_inspect_commands(sub)
+    return p
+
+
+def _add_run_commands(sub) -> None:
+    """train, ui, replay, export, config: commands that run or write something of a run."""
     t = sub.add_parser("train", help="run the RL iterations through Dagster in-process")
-    t.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    t.add_argument("--config", default=DEFAULT_CONFIG)
     t.add_argument("--run-id", default=None, help="rlake run id (default: experiment_name-timestamp)")
     t.add_argument("--steps", type=int, default=None, help="override trainer.total_training_steps for this call")
     t.add_argument("--verbose", action="store_true", help="also print Ray/Dagster/MLflow logs and warnings to stderr")
     t.add_argument("override", nargs="*", help="key.sub=value config overrides")
     t.set_defaults(fn=cmd_train)
     u = sub.add_parser("ui", help="start Dagster's webserver on 127.0.0.1")
-    u.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    u.add_argument("--config", default=DEFAULT_CONFIG)
     u.add_argument("--port", type=int, default=3000)
     u.set_defaults(fn=cmd_ui)
-    q = sub.add_parser("sql", help="SQL (DuckDB) over every Delta table: prompts, rollouts, scored_rollouts, ...")
-    q.add_argument("query")
-    q.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates output_dir/tables")
-    q.add_argument("--tables", default=None, help="tables directory (overrides --config)")
-    q.add_argument("--version", action="append", default=[], help="time travel: TABLE=N, or ALIAS:TABLE=N to add view ALIAS of TABLE at version N (repeatable)")
-    q.add_argument("--limit", type=int, default=50)
-    q.set_defaults(fn=cmd_sql)
-    li = sub.add_parser("lineage", help="commit lineage of a table (run, iteration, policy, config, upstream versions)")
-    li.add_argument("table")
-    li.add_argument("--iteration", type=int, default=None)
-    li.add_argument("--run-id", default=None)
-    li.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
-    li.add_argument("--tables", default=None)
-    li.set_defaults(fn=cmd_lineage)
-    r = sub.add_parser("replay", help="re-run a stored iteration's policy update from its tables and compare to the logged metrics",
-                       description="Re-runs iteration N's policy update from the advantages version its lineage recorded, "
-                                   "starting from the stored policy_vN (kept by trainer.save_freq), into a scratch "
-                                   "directory; compares the update metrics (actor/*) to iteration_metrics and the weights "
-                                   "to policy_v(N+1). Exits 1 when a value differs by more than --rtol (relative, plus "
-                                   "1e-7 absolute). Measured on CPU with the same worker count: bitwise equal.")
+    r = sub.add_parser(
+        "replay",
+        help="re-run a stored iteration's policy update from its tables and compare to the logged metrics",
+        description="Re-runs iteration N's policy update from the advantages version its lineage recorded, "
+        "starting from the stored policy_vN (kept by trainer.save_freq), into a scratch "
+        "directory; compares the update metrics (actor/*) to iteration_metrics and the weights "
+        "to policy_v(N+1). Exits 1 when a value differs by more than --rtol (relative, plus "
+        "1e-7 absolute). Measured on CPU with the same worker count: bitwise equal.",
+    )
     r.add_argument("--run-id", required=True)
     r.add_argument("--iteration", type=int, required=True)
-    r.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="the run's config (same overrides)")
+    r.add_argument("--config", default=DEFAULT_CONFIG, help="the run's config (same overrides)")
     r.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    r.add_argument("--scratch", default=None, help="where the replayed checkpoint goes (default output_dir/replay/RUN/iteration_N)")
+    r.add_argument(
+        "--scratch", default=None, help="where the replayed checkpoint goes (default output_dir/replay/RUN/iteration_N)"
+    )
     r.add_argument("override", nargs="*", help="key.sub=value config overrides the run was trained with")
     r.set_defaults(fn=cmd_replay)
     ex = sub.add_parser("export", help="write a plain HF model directory from a policy checkpoint")
     ex.add_argument("--checkpoint", default=None, help="a policy_v<N> checkpoint directory")
     ex.add_argument("--run-id", default=None, help="with --version: output_dir/checkpoints/<run-id>/policy_v<N>")
     ex.add_argument("--version", type=int, default=None)
-    ex.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates trainer.output_dir")
+    ex.add_argument("--config", default=DEFAULT_CONFIG, help="locates trainer.output_dir")
     ex.add_argument("--out", required=True, help="directory to write (must be new or empty)")
     ex.add_argument("--overwrite", action="store_true")
     ex.set_defaults(fn=cmd_export)
+    cf = sub.add_parser("config", help="print the resolved config (defaults: bases, overrides applied) and its hash")
+    cf.add_argument("--config", default=DEFAULT_CONFIG)
+    cf.add_argument(
+        "--yaml", action="store_true", help="nested YAML (a full config file) instead of key.sub: value lines"
+    )
+    cf.add_argument("override", nargs="*", help="key.sub=value config overrides")
+    cf.set_defaults(fn=cmd_config)
+
+
+def _add_inspect_commands(sub) -> None:
+    """sql, lineage, compare, plot: commands that read a run's tables and MLflow store."""
+    q = sub.add_parser("sql", help="SQL (DuckDB) over every Delta table: prompts, rollouts, scored_rollouts, ...")
+    q.add_argument("query")
+    q.add_argument("--config", default=DEFAULT_CONFIG, help="locates output_dir/tables")
+    q.add_argument("--tables", default=None, help="tables directory (overrides --config)")
+    q.add_argument(
+        "--version",
+        action="append",
+        default=[],
+        help="time travel: TABLE=N, or ALIAS:TABLE=N to add view ALIAS of TABLE at version N (repeatable)",
+    )
+    q.add_argument("--limit", type=int, default=50)
+    q.set_defaults(fn=cmd_sql)
+    li = sub.add_parser("lineage", help="commit lineage of a table (run, iteration, policy, config, upstream versions)")
+    li.add_argument("table")
+    li.add_argument("--iteration", type=int, default=None)
+    li.add_argument("--run-id", default=None)
+    li.add_argument("--config", default=DEFAULT_CONFIG)
+    li.add_argument("--tables", default=None)
+    li.set_defaults(fn=cmd_lineage)
     cp = sub.add_parser("compare", help="two runs side by side from MLflow: params that differ, final/best metrics")
     cp.add_argument("run_a", help="rlake run id (MLflow tag rlake.run_id)")
     cp.add_argument("run_b")
-    cp.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates the MLflow store")
+    cp.add_argument("--config", default=DEFAULT_CONFIG, help="locates the MLflow store")
     cp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides --config)")
     cp.add_argument("--experiment", default=None, help="only look in this MLflow experiment (trainer.project_name)")
     cp.add_argument("--metrics", default="", help="comma-separated metric name prefixes to show (default: all)")
     cp.set_defaults(fn=cmd_compare)
-    pl = sub.add_parser("plot", help="PNG of a run's curves from iteration_metrics: reward, response length, KL, "
-                                     "entropy, validation rewards")
+    pl = sub.add_parser(
+        "plot",
+        help="PNG of a run's curves from iteration_metrics: reward, response length, KL, entropy, validation rewards",
+    )
     pl.add_argument("run", help="rlake run id")
     pl.add_argument("--out", default=None, help="PNG path (default <output_dir>/plots/<run>.png)")
-    pl.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"), help="locates output_dir/tables")
+    pl.add_argument("--config", default=DEFAULT_CONFIG, help="locates output_dir/tables")
     pl.add_argument("--tables", default=None, help="tables directory (overrides --config)")
     pl.set_defaults(fn=cmd_plot)
-    cf = sub.add_parser("config", help="print the resolved config (defaults: bases, overrides applied) and its hash")
-    cf.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
-    cf.add_argument("--yaml", action="store_true", help="nested YAML (a full config file) instead of key.sub: value lines")
-    cf.add_argument("override", nargs="*", help="key.sub=value config overrides")
-    cf.set_defaults(fn=cmd_config)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pydantic import ValidationError
-
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -1,8 +1,11 @@
-"""The one Definitions of rlake. `dagster dev` (workspace.yaml) loads `defs` from here.
+"""The one Definitions of rlake: `build_definitions(cfg)` for a RunConfig; `defs` for `dagster dev`.
 
-RLAKE_CONFIG picks the run config (default configs/tiny_cpu.yaml), RL_ENV the resource set
-("local" or "ci"); `rlake train` builds its own with `build_definitions(config, overrides)`.
+Importing this module builds nothing. `rlake train` calls `build_definitions` with the RunConfig it
+parsed; `dagster dev` / `rlake ui` (workspace.yaml) load `defs`, a lazy `@dg.definitions` function that
+parses the config of the UI's code location once: RLAKE_CONFIG (default by RL_ENV: "local"
+configs/tiny_cpu.yaml, "ci" configs/ci_tiny.yaml) plus RLAKE_OVERRIDES (`key.sub=value;key=value`).
 """
+
 from __future__ import annotations
 
 import os
@@ -10,36 +13,58 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.critic import critic_checkpoint, values
-from assets.ingest import initial_policy, prompts
-from assets.reference import ref_logprobs
-from assets.rollout import prompt_batch, rollouts
-from assets.scoring import advantages, scored_rollouts
-from assets.training import iteration_metrics, policy_checkpoint
-from configs.schema import load_config
+from assets import critic, ingest, reference, rollout, scoring, training
+from configs.schema import RunConfig, load_config
 from pipelines.jobs import make_iteration_job, setup_job
 from pipelines.resources import build_resources
 from pipelines.sensors import make_next_iteration_sensor
+from stages.dag import ITERATION, SETUP
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = [prompts, initial_policy, prompt_batch, rollouts, scored_rollouts, advantages, policy_checkpoint,
-          iteration_metrics, values, critic_checkpoint, ref_logprobs]
 CONFIG_BY_ENV = {"local": "configs/tiny_cpu.yaml", "ci": "configs/ci_tiny.yaml"}
 
 
-def build_definitions(config_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dg.Definitions:
-    cfg = load_config(config_path, list(overrides))
+def _assets_in_dag_order() -> list[dg.AssetsDefinition]:
+    """The assets of the asset modules, one per stage of stages/dag.py, in its order."""
+    found = {
+        a.key.to_user_string(): a
+        for a in dg.load_assets_from_modules([ingest, rollout, reference, scoring, critic, training])
+    }
+    names = [s.name for s in SETUP + ITERATION]
+    if set(found) != set(names):
+        raise ValueError(
+            f"the asset modules define {sorted(found)}, but stages/dag.py lists {sorted(names)}: "
+            "every asset is a row of SETUP or ITERATION there (and every row an asset); add or "
+            "rename the row or the asset."
+        )
+    return [found[n] for n in names]
+
+
+ASSETS = _assets_in_dag_order()
+
+
+def build_definitions(cfg: RunConfig) -> dg.Definitions:
+    """Assets, jobs (the iteration job selects the stages `cfg` has), the chaining sensor and the resources
+    of run `cfg`."""
     iteration_job = make_iteration_job(cfg)
-    return dg.Definitions(assets=ASSETS, jobs=[setup_job, iteration_job],
-                          sensors=[make_next_iteration_sensor(cfg.trainer.total_training_steps, iteration_job)],
-                          resources=build_resources(str(config_path), list(overrides)))
+    return dg.Definitions(
+        assets=ASSETS,
+        jobs=[setup_job, iteration_job],
+        sensors=[make_next_iteration_sensor(cfg.trainer.total_training_steps, iteration_job)],
+        resources=build_resources(cfg),
+    )
 
 
-def _default_config() -> str:
+def ui_config() -> RunConfig:
+    """The RunConfig of the `dagster dev` code location: RLAKE_CONFIG (or RL_ENV's default) + RLAKE_OVERRIDES."""
     env = os.getenv("RL_ENV", "local")
     if env not in CONFIG_BY_ENV:
         raise ValueError(f"RL_ENV='{env}' is not a known environment. Valid: {sorted(CONFIG_BY_ENV)}")
-    return os.getenv("RLAKE_CONFIG", str(ROOT / CONFIG_BY_ENV[env]))
+    path = os.getenv("RLAKE_CONFIG", str(ROOT / CONFIG_BY_ENV[env]))
+    return load_config(path, [o for o in os.getenv("RLAKE_OVERRIDES", "").split(";") if o])
 
 
-defs = build_definitions(_default_config(), [o for o in os.getenv("RLAKE_OVERRIDES", "").split(";") if o])
+@dg.definitions
+def defs() -> dg.Definitions:
+    """What `dagster dev -w workspace.yaml` loads (each code-server and run process calls it once)."""
+    return build_definitions(ui_config())

@@ -1,10 +1,11 @@
 """Framework noise goes to a log file, not the terminal.
 
-Ray, Ray Data, MLflow (and its alembic migrations), Dagster, transformers and Python warnings all
+Ray, MLflow (and its alembic migrations), Dagster, transformers and Python warnings all
 log INFO lines or banners of their own. `rlake train` sends every one of them to
 `<output_dir>/logs/<name>.log`; `--verbose` also echoes them to stderr. Dagster's telemetry banner
 is switched off in the instance's dagster.yaml instead (pipelines/runner.py), where Dagster reads it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,15 +13,34 @@ import os
 import warnings
 from pathlib import Path
 
-NOISY = ("ray", "ray.data", "ray.train", "ray.serve", "mlflow", "alembic", "dagster", "transformers", "torch",
-         "urllib3", "filelock", "httpx", "py.warnings", "megatron", "vllm")
+NOISY = (
+    "ray",
+    "ray.serve",
+    "mlflow",
+    "alembic",
+    "dagster",
+    "transformers",
+    "torch",
+    "urllib3",
+    "filelock",
+    "httpx",
+    "py.warnings",
+    "megatron",
+    "vllm",
+)
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # set before the libraries are imported: they read these once
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-             "TOKENIZERS_PARALLELISM": "false", "RAY_ACCEPT_CLOUD_SDK_WARNING": "1",
-             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_CONFIGURE_LOGGING": "false",
-             "TQDM_DISABLE": "1"}
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_ACCEPT_CLOUD_SDK_WARNING": "1",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_CONFIGURE_LOGGING": "false",
+    "TQDM_DISABLE": "1",
+}
 
 
 def quiet_env() -> None:
@@ -33,12 +53,14 @@ def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
     """Send the NOISY loggers and Python warnings to log_file (and stderr when verbose); returns the file.
 
     The handlers sit on the root logger and the NOISY loggers lose their own console handlers and
-    propagate to it: libraries attach console handlers on import (ray, ray.data, mlflow), and
+    propagate to it: libraries attach console handlers on import (ray, mlflow), and
     `ray.init` strips the `ray` logger's handlers again, after which its records also reach root
     (without a root handler Python's last-resort handler would print them)."""
     quiet_env()
-    import mlflow  # noqa: F401  (attaches its handlers on import unless MLFLOW_CONFIGURE_LOGGING=false)
-    import ray.data  # noqa: F401  (ray and ray.data configure their loggers on import)
+    # imported after quiet_env(), whose variables they read on import: mlflow attaches its handlers unless
+    # MLFLOW_CONFIGURE_LOGGING=false, ray configures its loggers
+    import mlflow  # noqa: F401, PLC0415 - after quiet_env()
+    import ray  # noqa: F401, PLC0415 - after quiet_env()
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handlers: list[logging.Handler] = [logging.FileHandler(log_file)]

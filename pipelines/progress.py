@@ -6,15 +6,16 @@ when stdout is not a TTY (a log file, CI) it prints plain lines only: set-up pha
 iteration. The current stage comes from the Dagster run's own event log (STEP_START and asset
 materializations), polled by a background thread, so the assets know nothing about the display.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import dagster as dg
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -24,8 +25,9 @@ POLL_S = 0.5
 class RunProgress:
     """Progress of one `rlake train` call. `live=None` picks rich when stdout is a terminal."""
 
-    def __init__(self, *, live: bool | None = None, log: Callable[[str], None] | None = None,
-                 console: Console | None = None) -> None:
+    def __init__(
+        self, *, live: bool | None = None, log: Callable[[str], None] | None = None, console: Console | None = None
+    ) -> None:
         # a duplicate of the terminal's stdout, taken before any Dagster run: execute_in_process captures
         # fd 1 into its compute logs while a step runs, which froze the live display for whole stages
         self.console = console or Console(file=_own_stdout(), highlight=False)
@@ -51,11 +53,19 @@ class RunProgress:
     # -- the live display --------------------------------------------------------------------
     def __enter__(self) -> RunProgress:
         if self.live and self._log is None:
-            self._bar = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
-                                 TextColumn("[cyan]{task.fields[stage]}[/] {task.fields[detail]}"),
-                                 TextColumn("{task.fields[stats]}"), console=self.console, transient=True,
-                                 refresh_per_second=4)
+            self._bar = Progress(
+                SpinnerColumn(),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[eta]}"),
+                TextColumn("[cyan]{task.fields[stage]}[/] {task.fields[detail]}"),
+                TextColumn("{task.fields[stats]}"),
+                console=self.console,
+                transient=True,
+                refresh_per_second=4,
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task("set-up", total=None, eta="", **self._fields)
         return self
@@ -110,8 +120,6 @@ class RunProgress:
             thread.join(timeout=5)
 
     def _poll(self, instance, dagster_run_id: str, stop: threading.Event) -> None:
-        import dagster as dg
-
         kinds = {dg.DagsterEventType.STEP_START, dg.DagsterEventType.ASSET_MATERIALIZATION}
         cursor = None
         while not stop.wait(POLL_S):

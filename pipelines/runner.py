@@ -1,13 +1,28 @@
-"""Run an rlake training run through Dagster in-process: set-up job, then one job run per iteration."""
+"""Run an rlake training run through Dagster in-process: set-up job, then one job run per iteration.
+
+The runner only sequences jobs: everything a run leaves behind (tables, checkpoints, each checkpoint's
+trainer_state.json, MLflow metrics) is written by the assets, so an iteration launched from the Dagster
+UI leaves the same files as one run by `rlake train`.
+"""
+
 from __future__ import annotations
 
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import dagster as dg
+
+from configs.errors import load_run_config
+from configs.schema import RunConfig
+from pipelines.definitions import build_definitions
+from pipelines.jobs import ITERATION_JOB, SETUP_JOB
 from pipelines.progress import RunProgress, plain
+from stages.io.checkpoints import ModelStore
+from stages.run.preflight import preflight
+from stages.run.resume import ResumePlan, plan_resume
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 TELEMETRY_OFF = "telemetry:\n  enabled: false\n"
@@ -28,82 +43,116 @@ def dagster_home(output_dir: str) -> Path:
     return home
 
 
-def run_training(config_path: str, overrides: list[str], *, run_id: str | None = None, steps: int | None = None,
-                 log: Callable[[str], None] = print, progress: RunProgress | None = None) -> dict:
-    """Returns {"run_id", "setup": metadata of initial_policy, "iterations": [metadata of iteration_metrics]}.
+def with_run_id(cfg: RunConfig, run_id: str) -> RunConfig:
+    """`cfg` with trainer.run_id = run_id (a copy; the run id takes part in no validation, so none is re-run)."""
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
+
+
+def run_training(
+    config: RunConfig | str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    run_id: str | None = None,
+    steps: int | None = None,
+    log: Callable[[str], None] = print,
+    progress: RunProgress | None = None,
+) -> dict:
+    """Train run `config`: a RunConfig (what `rlake train` passes: parsed once), or a YAML path plus
+    `key.sub=value` overrides, parsed here. Returns {"run_id", "setup": metadata of initial_policy,
+    "iterations": [metadata of iteration_metrics], "start_iteration", "resume"}.
 
     `progress` shows what is running (pipelines/progress.py); without one, plain lines go to `log`.
     The MLflow run is marked FINISHED by the last iteration, FAILED when an iteration raises and KILLED
     on Ctrl-C, so no run stays RUNNING in the MLflow UI."""
-    from pydantic import ValidationError
-
-    from configs.schema import load_config
-    from stages.run.preflight import explain_config_error, preflight
-    from stages.run.resume import plan_resume
-
     progress = progress or plain(log)
-    overrides = list(overrides)
-    progress.phase("config", config_path)
-    try:
-        cfg = load_config(config_path, overrides)  # a bad config fails here, before any work
-    except ValidationError as exc:
-        raise explain_config_error(exc) from None
-
+    cfg = _resolve(config, overrides, progress)  # a bad config fails here, before any work
     progress.phase("preflight", "data and model inputs")
     preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
     plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
-    run_id = plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides.append(f"trainer.run_id={run_id}")
-    cfg = load_config(config_path, overrides)
+    cfg = with_run_id(cfg, plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     dagster_home(cfg.trainer.output_dir)
     progress.phase("dagster", "instance and definitions")
-    import dagster as dg
-
-    from pipelines.definitions import build_definitions
-    from pipelines.jobs import ITERATION_JOB, SETUP_JOB
-
-    defs = build_definitions(config_path, overrides)
+    defs = build_definitions(cfg)
     instance = dg.DagsterInstance.get()
-    out = Path(cfg.trainer.output_dir).resolve()
-    progress.line(f"rlake run {run_id}  config {config_path}  hash {cfg.config_hash()}  output {out}")
-    progress.line(plan.reason)
-    partial = _model_store(out, run_id).remove_partial()
-    if partial:
-        progress.line(f"removed partial checkpoint writes of a killed run: {partial}")
-    stale = _fail_stale_runs(instance, run_id)
-    if stale:
-        progress.line(f"marked {len(stale)} Dagster run(s) of a killed process as failed: {stale}")
+    _start(cfg, plan, instance, progress)
     tracker = defs.resources["tracker"]
     t0 = time.perf_counter()
-    tags = {"rlake/run_id": run_id}
-    setup: dict = {}
-    history = []
     try:
-        if plan.run_setup:
-            result = _execute(defs.resolve_job_def(SETUP_JOB), instance, progress, tags=tags)
-            setup = _metadata(result, "initial_policy")
-            _save_trainer_state(cfg, out, run_id, 0)
-            progress.line(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
-        total = cfg.trainer.total_training_steps if steps is None else steps
-        progress.start_iterations(plan.start_iteration, total)
-        for it in range(plan.start_iteration, total):
-            t1 = time.perf_counter()
-            instance.add_dynamic_partitions("iteration", [str(it)])
-            res = _execute(defs.resolve_job_def(ITERATION_JOB), instance, progress, tags=tags, partition_key=str(it))
-            history.append(_metadata(res, "iteration_metrics"))
-            _save_trainer_state(cfg, out, run_id, it + 1)
-            progress.iteration_done(it, time.perf_counter() - t1, _fmt_items(history[-1], ""))
+        setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
     except KeyboardInterrupt:
-        _end_mlflow_run(tracker, run_id, "KILLED", progress)
+        _end_mlflow_run(tracker, cfg.run_id, "KILLED", progress)
         raise
     except BaseException:
-        _end_mlflow_run(tracker, run_id, "FAILED", progress)
+        _end_mlflow_run(tracker, cfg.run_id, "FAILED", progress)
         raise
-    _end_mlflow_run(tracker, run_id, "FINISHED", progress)  # also a --steps stop short of the last iteration
-    progress.line(f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {out / 'tables'}; "
-                  f"MLflow: {tracker.tracking_uri} (experiment {cfg.trainer.project_name}, run {run_id})")
-    return {"run_id": run_id, "setup": setup, "iterations": history, "start_iteration": plan.start_iteration,
-            "resume": plan.reason}
+    _end_mlflow_run(tracker, cfg.run_id, "FINISHED", progress)  # also a --steps stop short of the last iteration
+    out = Path(cfg.trainer.output_dir).resolve()
+    progress.line(
+        f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {out / 'tables'}; "
+        f"MLflow: {tracker.tracking_uri} (experiment {cfg.trainer.project_name}, run {cfg.run_id})"
+    )
+    return {
+        "run_id": cfg.run_id,
+        "setup": setup,
+        "iterations": history,
+        "start_iteration": plan.start_iteration,
+        "resume": plan.reason,
+    }
+
+
+def _resolve(config: RunConfig | str | Path, overrides: Sequence[str], progress: RunProgress) -> RunConfig:
+    """`config` itself, or the RunConfig of YAML path `config` with `overrides`."""
+    if not isinstance(config, RunConfig):
+        progress.phase("config", str(config))
+        return load_run_config(config, overrides)
+    if overrides:
+        raise ValueError(
+            f"run_training got a RunConfig and overrides {list(overrides)}: overrides apply to a "
+            "YAML path; pass the path, or apply them with configs.errors.load_run_config first."
+        )
+    return config
+
+
+def _start(cfg: RunConfig, plan: ResumePlan, instance: dg.DagsterInstance, progress: RunProgress) -> None:
+    """Say what runs, and clear what a killed earlier process of this run left: partial checkpoint writes
+    and Dagster runs still marked as running."""
+    out = Path(cfg.trainer.output_dir).resolve()
+    progress.line(f"rlake run {cfg.run_id}  config hash {cfg.config_hash()}  output {out}")
+    progress.line(plan.reason)
+    partial = ModelStore(out / "checkpoints", cfg.run_id).remove_partial()
+    if partial:
+        progress.line(f"removed partial checkpoint writes of a killed run: {partial}")
+    stale = _fail_stale_runs(instance, cfg.run_id)
+    if stale:
+        progress.line(f"marked {len(stale)} Dagster run(s) of a killed process as failed: {stale}")
+
+
+def _run_jobs(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    cfg: RunConfig,
+    plan: ResumePlan,
+    steps: int | None,
+    progress: RunProgress,
+) -> tuple[dict, list[dict]]:
+    """The set-up job (when the plan says so), then one iteration job per iteration up to `steps`
+    (default trainer.total_training_steps); returns (initial_policy's metadata, iteration_metrics' per iteration)."""
+    tags = {"rlake/run_id": cfg.run_id}
+    setup: dict = {}
+    history = []
+    if plan.run_setup:
+        t0 = time.perf_counter()
+        setup = _metadata(_execute(defs.resolve_job_def(SETUP_JOB), instance, progress, tags=tags), "initial_policy")
+        progress.line(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
+    total = cfg.trainer.total_training_steps if steps is None else steps
+    progress.start_iterations(plan.start_iteration, total)
+    for it in range(plan.start_iteration, total):
+        t1 = time.perf_counter()
+        instance.add_dynamic_partitions("iteration", [str(it)])
+        res = _execute(defs.resolve_job_def(ITERATION_JOB), instance, progress, tags=tags, partition_key=str(it))
+        history.append(_metadata(res, "iteration_metrics"))
+        progress.iteration_done(it, time.perf_counter() - t1, _fmt_items(history[-1], ""))
+    return setup, history
 
 
 def _end_mlflow_run(tracker, run_id: str, status: str, progress: RunProgress) -> None:
@@ -118,37 +167,18 @@ def _execute(job, instance, progress: RunProgress, *, tags: dict, partition_key:
     """One in-process Dagster run, its steps shown by `progress` as they start."""
     dagster_run_id = str(uuid.uuid4())
     with progress.follow(instance, dagster_run_id):
-        return job.execute_in_process(instance=instance, tags=tags, run_config=QUIET, partition_key=partition_key,
-                                      run_id=dagster_run_id)
+        return job.execute_in_process(
+            instance=instance, tags=tags, run_config=QUIET, partition_key=partition_key, run_id=dagster_run_id
+        )
 
 
 def _fail_stale_runs(instance, run_id: str) -> list[str]:
     """Dagster runs of this rlake run still STARTED/STARTING: their process was killed (runs are in-process)."""
-    import dagster as dg
-
     statuses = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]
     stale = instance.get_runs(filters=dg.RunsFilter(statuses=statuses, tags={"rlake/run_id": run_id}))
     for run in stale:
         instance.report_run_failed(run, message="the rlake train process running it was killed; the run was resumed")
     return [run.run_id[:8] for run in stale]
-
-
-def _model_store(out: Path, run_id: str):
-    from stages.io.checkpoints import ModelStore
-
-    return ModelStore(out / "checkpoints", run_id)
-
-
-def _save_trainer_state(cfg, out: Path, run_id: str, version: int) -> None:
-    """trainer_state.json next to policy_v<version> (when that version is kept after pruning)."""
-    from stages.run.resume import trainer_state, write_trainer_state
-    from stages.io.store import read_partition
-
-    policy_dir = _model_store(out, run_id).policy_dir(version)
-    if not (policy_dir / "config.json").is_file():
-        return
-    prompts = read_partition(str(out / "tables" / "prompts"), run_id, -1, columns=["split"])
-    write_trainer_state(policy_dir, trainer_state(cfg, run_id, version, int((prompts["split"] == "train").sum())))
 
 
 def _metadata(result, asset: str) -> dict:

@@ -1,4 +1,5 @@
 """Chaining: when set-up or iteration i succeeds, add partition i+1 and launch it."""
+
 from __future__ import annotations
 
 import dagster as dg
@@ -18,9 +19,15 @@ def next_iteration(job_name: str, partition_key: str | None, total_steps: int) -
 
 def make_next_iteration_sensor(total_steps: int, request_job=iteration_job) -> dg.RunStatusSensorDefinition:
     """request_job: the Definitions' iteration job (pipelines.jobs.make_iteration_job(cfg))."""
-    @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, name="next_iteration_sensor",
-                          monitor_all_code_locations=False, request_job=request_job,
-                          default_status=dg.DefaultSensorStatus.STOPPED, minimum_interval_seconds=5)
+
+    @dg.run_status_sensor(
+        run_status=dg.DagsterRunStatus.SUCCESS,
+        name="next_iteration_sensor",
+        monitor_all_code_locations=False,
+        request_job=request_job,
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        minimum_interval_seconds=5,
+    )
     def next_iteration_sensor(context: dg.RunStatusSensorContext):
         run = context.dagster_run
         nxt = next_iteration(run.job_name, run.tags.get("dagster/partition"), total_steps)

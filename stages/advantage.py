@@ -8,12 +8,14 @@ estimators such as GRPO and RLOO).
 ReMax's greedy rows (`is_baseline` in scored_rollouts) are never training samples: every estimator
 drops them, and remax takes each group's baseline reward from its one greedy row (missing: an error).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import torch
 
+from configs.schema import RunConfig
 from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
 from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
@@ -28,9 +30,11 @@ def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
         lost = set(scored.loc[~ok & scored["is_baseline"].astype(bool).to_numpy(), "group_id"])
         ok &= ~scored["group_id"].isin(lost).to_numpy()
     if len(scored) and not ok.any():
-        raise ValueError(f"all {len(scored)} rollouts were flagged by the reward stage (reward_error in "
-                         "scored_rollouts), so there is nothing to train on; fix the reward function and "
-                         "re-materialize scored_rollouts for this iteration")
+        raise ValueError(
+            f"all {len(scored)} rollouts were flagged by the reward stage (reward_error in "
+            "scored_rollouts), so there is nothing to train on; fix the reward function and "
+            "re-materialize scored_rollouts for this iteration"
+        )
     return scored[ok].reset_index(drop=True), int((~ok).sum())
 
 
@@ -47,66 +51,99 @@ def remax_baseline_rewards(sampled: pd.DataFrame, baselines: pd.DataFrame) -> to
     missing = sorted(set(sampled["group_id"]) - set(baselines["group_id"]))[:10]
     bad = baselines.loc[~np.isfinite(baselines["reward"].to_numpy(dtype=np.float64)), "group_id"].tolist()[:10]
     if missing or twice or bad:
-        found = "; ".join(f"groups {g} {what}" for g, what in ((missing, "have none"), (twice, "have several"),
-                                                               (bad, "have a non-finite baseline reward")) if g)
+        found = "; ".join(
+            f"groups {g} {what}"
+            for g, what in ((missing, "have none"), (twice, "have several"), (bad, "have a non-finite baseline reward"))
+            if g
+        )
         raise ValueError(
             f"adv_estimator='remax' needs exactly one greedy baseline row (is_baseline) with a finite reward per "
             f"group, because each sample's advantage is its reward minus its prompt's greedy reward; {found}. "
             "Re-materialize rollouts and scored_rollouts of this iteration with adv_estimator='remax' (rollouts "
-            "made by another estimator have no baselines), fix the reward function, or pick another adv_estimator")
-    by_group = dict(zip(baselines["group_id"].tolist(), baselines["reward"].tolist()))
+            "made by another estimator have no baselines), fix the reward function, or pick another adv_estimator"
+        )
+    by_group = dict(zip(baselines["group_id"].tolist(), baselines["reward"].tolist(), strict=True))
     return torch.tensor([by_group[g] for g in sampled["group_id"].tolist()], dtype=torch.float32)
 
 
-def compute_advantage_table(scored: pd.DataFrame, algorithm_cfg, values: pd.DataFrame | None = None, *,
-                            ref: pd.DataFrame | None = None, kl_coef: float | None = None) -> pd.DataFrame:
+def compute_advantage_table(
+    scored: pd.DataFrame,
+    algorithm_cfg,
+    values: pd.DataFrame | None = None,
+    *,
+    ref: pd.DataFrame | None = None,
+    kl_coef: float | None = None,
+) -> pd.DataFrame:
     """Rows of the advantages table for one iteration's scored rollouts (`values`: the iteration's
     values table, rollout_id + per-token critic values; needed by adv_estimator='gae'). ReMax's greedy
     baseline rows are left out of the table (and give remax its per-group baseline)."""
     scored, baselines = split_baseline_rows(scored)
     remax = algorithm_cfg.adv_estimator == "remax"
     baseline_rewards = remax_baseline_rewards(scored, baselines) if remax else None
-    rewards = scored["reward"].to_numpy(dtype=np.float64)
-    if not np.isfinite(rewards).all():
-        bad = scored.loc[~np.isfinite(rewards), "rollout_id"].tolist()[:10]
-        raise ValueError(f"non-finite rewards for rollouts {bad} (see reward_error in scored_rollouts); "
-                         "fix the reward function or re-score before computing advantages")
+    rewards = finite_rewards(scored)
     lengths = torch.tensor(scored["response_length"].to_numpy(dtype=np.int64))
     width = max(1, int(lengths.max()))
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
     token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
     # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
     token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef)
-    adv, returns = compute_advantages(algorithm_cfg.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
-                                values=critic_values(scored, values, width) if algorithm_cfg.adv_estimator == "gae" else None,
-                                lam=algorithm_cfg.lam,
-                                group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
-                                baseline_rewards=baseline_rewards,
-                                gamma=algorithm_cfg.gamma, norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo)
+    adv, returns = compute_advantages(
+        algorithm_cfg.adv_estimator,
+        token_level_rewards=token_rewards,
+        response_mask=mask,
+        values=critic_values(scored, values, width) if algorithm_cfg.adv_estimator == "gae" else None,
+        lam=algorithm_cfg.lam,
+        group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
+        baseline_rewards=baseline_rewards,
+        gamma=algorithm_cfg.gamma,
+        norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
+    )
     token_adv = [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
-    return pd.DataFrame({
-        "rollout_id": scored["rollout_id"].to_numpy(), "group_id": scored["group_id"].to_numpy(),
-        "policy_version": scored["policy_version"].to_numpy(),
-        "prompt_token_ids": scored["prompt_token_ids"].to_numpy(),
-        "response_token_ids": scored["response_token_ids"].to_numpy(),
-        "reward": rewards, "advantage": adv[:, 0].numpy(), "token_advantages": token_adv,
-        "adv_estimator": algorithm_cfg.adv_estimator, **kl_cols,
-        "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
-    })
+    return pd.DataFrame(
+        {
+            "rollout_id": scored["rollout_id"].to_numpy(),
+            "group_id": scored["group_id"].to_numpy(),
+            "policy_version": scored["policy_version"].to_numpy(),
+            "prompt_token_ids": scored["prompt_token_ids"].to_numpy(),
+            "response_token_ids": scored["response_token_ids"].to_numpy(),
+            "reward": rewards,
+            "advantage": adv[:, 0].numpy(),
+            "token_advantages": token_adv,
+            "adv_estimator": algorithm_cfg.adv_estimator,
+            **kl_cols,
+            "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
+        }
+    )
+
+
+def finite_rewards(scored: pd.DataFrame) -> np.ndarray:
+    """(N,) float64 rewards of the scored rollouts; a non-finite one is an error naming its rollouts."""
+    rewards = scored["reward"].to_numpy(dtype=np.float64)
+    if not np.isfinite(rewards).all():
+        bad = scored.loc[~np.isfinite(rewards), "rollout_id"].tolist()[:10]
+        raise ValueError(
+            f"non-finite rewards for rollouts {bad} (see reward_error in scored_rollouts); "
+            "fix the reward function or re-score before computing advantages"
+        )
+    return rewards
 
 
 def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int) -> torch.Tensor:
     """(N, width) critic values aligned to `scored` by rollout_id (GAE), zeros after each response."""
     if values is None:
-        raise ValueError("adv_estimator='gae' needs the iteration's critic values (the `values` table); "
-                         "materialize the `values` asset of this iteration first, or pick another estimator")
-    by_id = dict(zip(values["rollout_id"].tolist(), values["values"]))
+        raise ValueError(
+            "adv_estimator='gae' needs the iteration's critic values (the `values` table); "
+            "materialize the `values` asset of this iteration first, or pick another estimator"
+        )
+    by_id = dict(zip(values["rollout_id"].tolist(), values["values"], strict=True))
     missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
     if missing:
-        raise ValueError(f"rollouts {missing} have no critic values; the values table is from other rollouts: "
-                         "re-materialize `values` of this iteration after its rollouts")
+        raise ValueError(
+            f"rollouts {missing} have no critic values; the values table is from other rollouts: "
+            "re-materialize `values` of this iteration after its rollouts"
+        )
     out = torch.zeros(len(scored), width)
-    for i, (rid, n) in enumerate(zip(scored["rollout_id"].tolist(), scored["response_length"].tolist())):
+    for i, (rid, n) in enumerate(zip(scored["rollout_id"].tolist(), scored["response_length"].tolist(), strict=True)):
         v = list(by_id[rid])
         if len(v) != n:
             raise ValueError(f"rollout {rid}: {len(v)} critic values for {n} response tokens; re-materialize `values`")
@@ -114,8 +151,14 @@ def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int)
     return out
 
 
-def reward_kl_columns(scored: pd.DataFrame, ref: pd.DataFrame | None, token_rewards: torch.Tensor, mask: torch.Tensor,
-                      algorithm_cfg, kl_coef: float | None) -> tuple[torch.Tensor, dict]:
+def reward_kl_columns(
+    scored: pd.DataFrame,
+    ref: pd.DataFrame | None,
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    algorithm_cfg,
+    kl_coef: float | None,
+) -> tuple[torch.Tensor, dict]:
     """(token-level rewards, the ref_logprobs / kl_coef / reward_kl columns of the advantages table).
 
     With ref (rollout_id + ref_logprobs lists) the rows carry their reference log-probs (for actor.use_kl_loss);
@@ -125,20 +168,24 @@ def reward_kl_columns(scored: pd.DataFrame, ref: pd.DataFrame | None, token_rewa
     cols = {"ref_logprobs": [[] for _ in range(n)], "kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan)}
     if ref is None:
         if algorithm_cfg.use_kl_in_reward:
-            raise ValueError("algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize "
-                             "the ref_logprobs asset of this iteration first, or set use_kl_in_reward=false")
+            raise ValueError(
+                "algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize "
+                "the ref_logprobs asset of this iteration first, or set use_kl_in_reward=false"
+            )
         return token_rewards, cols
-    by_id = dict(zip(ref["rollout_id"].tolist(), ref["ref_logprobs"]))
+    by_id = dict(zip(ref["rollout_id"].tolist(), ref["ref_logprobs"], strict=True))
     missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
     if missing:
-        raise ValueError(f"rollouts {missing} have no reference log-probs; the ref_logprobs table is from other "
-                         "rollouts: re-materialize ref_logprobs of this iteration after its rollouts")
+        raise ValueError(
+            f"rollouts {missing} have no reference log-probs; the ref_logprobs table is from other "
+            "rollouts: re-materialize ref_logprobs of this iteration after its rollouts"
+        )
     ref_lp, lp = torch.zeros_like(mask), torch.zeros_like(mask)  # (N, L)
-    for i, (rid, own) in enumerate(zip(scored["rollout_id"].tolist(), scored["rollout_logprobs"])):
+    for i, (rid, own) in enumerate(zip(scored["rollout_id"].tolist(), scored["rollout_logprobs"], strict=True)):
         r = list(by_id[rid])
         assert len(r) == len(own) == int(mask[i].sum()), f"rollout {rid}: {len(r)=} {len(own)=}"
-        ref_lp[i, :len(r)] = torch.as_tensor(r, dtype=torch.float32)
-        lp[i, :len(own)] = torch.as_tensor(list(own), dtype=torch.float32)
+        ref_lp[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+        lp[i, : len(own)] = torch.as_tensor(list(own), dtype=torch.float32)
     cols["ref_logprobs"] = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
     if not algorithm_cfg.use_kl_in_reward:
         return token_rewards, cols
@@ -162,12 +209,15 @@ def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float
     beta = float(previous["kl_coef"].iloc[0])
     kl = previous["reward_kl"].to_numpy(dtype=np.float64)
     if not np.isfinite(beta) or not np.isfinite(kl).all():
-        raise ValueError("the previous iteration's advantages hold no KL-in-reward coefficient (it ran without "
-                         "algorithm.use_kl_in_reward); re-materialize it with this config or use kl_ctrl.type=fixed")
+        raise ValueError(
+            "the previous iteration's advantages hold no KL-in-reward coefficient (it ran without "
+            "algorithm.use_kl_in_reward); re-materialize it with this config or use kl_ctrl.type=fixed"
+        )
     controller = make_kl_controller("adaptive", kl_coef=beta, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
     controller.update(float(kl.mean()), n_steps=len(previous))
     return float(controller.value)
 
 
-def uses_adaptive_kl(cfg) -> bool:
+def uses_adaptive_kl(cfg: RunConfig) -> bool:
+    """KL in the reward with the adaptive controller: beta of iteration N follows from iteration N-1's table."""
     return bool(cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == "adaptive")

@@ -1,16 +1,21 @@
-"""Validation: greedy pass@1 and sampled mean@k of a policy on the held-out prompts."""
+"""Validation: greedy pass@1 and sampled mean@k of a policy on the held-out prompts.
+
+The rollouts run on the run's "rollout" worker group (stages.rollout.generate_rollouts), the same
+engines as training; scoring runs in this process.
+"""
 from __future__ import annotations
 
 import pandas as pd
 
+from configs.schema import RunConfig
+from stages import seeds
 from stages.metrics import validation_metrics
+from stages.prompt_batch import prompt_batch_frame
 from stages.reward import score_rollouts
 from stages.rollout import generate_rollouts
-from stages.prompt_batch import prompt_batch_frame
-from stages import seeds
 
 
-def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *,
+def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *,
                         use_ray: bool = True) -> dict[str, pd.DataFrame]:
     """Scored validation rollouts of the first data.val_batch_size val prompts: "greedy" (one per
     prompt) and "sampled" (rollout.n per prompt)."""
@@ -38,6 +43,8 @@ def validation_summary(scored: dict[str, pd.DataFrame], n: int) -> dict[str, flo
     return metrics
 
 
-def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg, *, use_ray: bool = True) -> dict[str, float]:
+def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *,
+                    use_ray: bool = True) -> dict[str, float]:
     """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
-    return validation_summary(validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray), cfg.rollout.n)
+    return validation_summary(validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray),
+                              cfg.rollout.n)

@@ -9,6 +9,7 @@ reward, generating further rounds of prompts until train_batch_size groups are k
 
 Yu et al. 2025, https://arxiv.org/abs/2503.14476 (section 3.2); verl's filter_groups names.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,15 +35,23 @@ def filter_metric(scored: pd.DataFrame, metric: str, correct_score: float) -> np
 
 def kept_group_ids(scored: pd.DataFrame, metric: str, correct_score: float) -> list[int]:
     """Group ids whose rollouts do not all share one metric value, in order of first rollout_id."""
-    keep = filter_groups_by_variance(torch.tensor(filter_metric(scored, metric, correct_score)),
-                                     torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)))
+    keep = filter_groups_by_variance(
+        torch.tensor(filter_metric(scored, metric, correct_score)),
+        torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
+    )
     ordered = scored.assign(_keep=keep.numpy()).sort_values("rollout_id")
     return list(dict.fromkeys(ordered.loc[ordered["_keep"], "group_id"].tolist()))
 
 
-def generate_until_full(batch: pd.DataFrame, generate: Callable[[pd.DataFrame, int], pd.DataFrame],
-                        score: Callable[[pd.DataFrame], pd.DataFrame], *, metric: str, correct_score: float,
-                        need_groups: int) -> pd.DataFrame:
+def generate_until_full(
+    batch: pd.DataFrame,
+    generate: Callable[[pd.DataFrame, int], pd.DataFrame],
+    score: Callable[[pd.DataFrame], pd.DataFrame],
+    *,
+    metric: str,
+    correct_score: float,
+    need_groups: int,
+) -> pd.DataFrame:
     """Generate round after round of `batch` (a prompt_batches partition with gen_round) until
     `need_groups` groups pass the filter; returns all generated rollouts (gen_round, unique rollout_id).
 
@@ -62,20 +71,22 @@ def generate_until_full(batch: pd.DataFrame, generate: Callable[[pd.DataFrame, i
         f"dynamic sampling kept {kept} groups after {len(rounds)} generation rounds, fewer than "
         f"data.train_batch_size ({need_groups}), because the other groups' rollouts all got the same "
         f"'{metric}'; raise algorithm.filter_groups.max_num_gen_batches (0 = until the prompts run out) or "
-        "data.gen_batch_size, or pick an easier/harder dataset (verl: 'Generated too many').")
+        "data.gen_batch_size, or pick an easier/harder dataset (verl: 'Generated too many')."
+    )
 
 
 def select_training_groups(scored: pd.DataFrame, filter_cfg, *, need_groups: int, correct_score: float) -> pd.DataFrame:
     """The rows of the first `need_groups` groups that pass the filter (all rows when it is off)."""
     if not filter_cfg.enable:
         return scored
-    groups = kept_group_ids(split_baseline_rows(scored)[0], filter_cfg.metric, correct_score)  # ReMax baselines: no vote
+    groups = kept_group_ids(
+        split_baseline_rows(scored)[0], filter_cfg.metric, correct_score
+    )  # ReMax baselines: no vote
     if len(groups) < need_groups:
         raise ValueError(
             f"only {len(groups)} groups of the scored rollouts pass the filter_groups '{filter_cfg.metric}' filter, "
             f"fewer than data.train_batch_size ({need_groups}); this happens when rollouts were re-scored with "
-            "another reward after generation stopped: re-materialize rollouts too, or disable filter_groups.")
+            "another reward after generation stopped: re-materialize rollouts too, or disable filter_groups."
+        )
     chosen = set(groups[:need_groups])
     return scored[scored["group_id"].isin(chosen)].sort_values("rollout_id").reset_index(drop=True)  # + baselines
-
-

@@ -1,4 +1,5 @@
 """Iteration metrics with verl's names (critic/score/mean, response_length/mean, ...)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,17 +10,24 @@ from stages.advantage import split_baseline_rows
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     values = np.asarray(values, dtype=np.float64)
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response_length: int) -> dict[str, float]:
     """Over the training samples only; ReMax's greedy baseline rows give remax/baseline_reward/mean."""
     scored, baselines = split_baseline_rows(scored)
     lengths = scored["response_length"].to_numpy()
-    m = {**_stats("critic/score", scored["reward"]), **_stats("critic/rewards", scored["reward"]),
-         **_stats("critic/advantages", advantages["advantage"]), **_stats("response_length", lengths),
-         **_stats("prompt_length", scored["prompt_token_ids"].map(len))}
+    m = {
+        **_stats("critic/score", scored["reward"]),
+        **_stats("critic/rewards", scored["reward"]),
+        **_stats("critic/advantages", advantages["advantage"]),
+        **_stats("response_length", lengths),
+        **_stats("prompt_length", scored["prompt_token_ids"].map(len)),
+    }
     m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
     groups = scored.groupby("group_id")["reward"]
     m["critic/score/group_all_equal_frac"] = float((groups.nunique() == 1).mean())

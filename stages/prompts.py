@@ -1,16 +1,19 @@
 """Ingest stage: the run's dataset (verl parquet, or the generated synthetic task) as prompts rows."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pandas as pd
 
+from configs.schema import RunConfig
 from stages.data.datasets import generate_synthetic_task, load_prompt_rows
 from stages.data.rewards import reward_fn_for
 
 
-def build_prompt_rows(cfg) -> pd.DataFrame:
-    """cfg: RunConfig. Generates the synthetic task under output_dir/data when no files are given."""
+def build_prompt_rows(cfg: RunConfig) -> pd.DataFrame:
+    """Rows of the `prompts` table (train and val splits, verl columns); generates the synthetic task under
+    output_dir/data when data.train_files is empty."""
     train, val = list(cfg.data.train_files), list(cfg.data.val_files)
     if not train:
         prefix = "arith" if cfg.data.synthetic.task == "addition" else cfg.data.synthetic.task
@@ -22,6 +25,8 @@ def build_prompt_rows(cfg) -> pd.DataFrame:
         reward_fn_for(ds)
     n_train = int((df["split"] == "train").sum())
     if n_train < cfg.data.train_batch_size:
-        raise ValueError(f"{n_train} training prompts < data.train_batch_size ({cfg.data.train_batch_size}); "
-                         "add data or lower train_batch_size")
+        raise ValueError(
+            f"{n_train} training prompts < data.train_batch_size ({cfg.data.train_batch_size}); "
+            "add data or lower train_batch_size"
+        )
     return df

@@ -1,8 +1,10 @@
-"""Reward stage: score each rollout with the rule-based function of its data_source.
+"""The scored_rollouts stage's reward: score each rollout with the rule-based function of its data_source.
 
-Runs as parallel Ray tasks (stages/workers/tasks.py). A reward function that raises, or returns a non-finite value,
-is a clear error naming the rollout (reward.on_error='raise'), or flags the row with
-reward_error and reward NaN so downstream checks can gate it (reward.on_error='flag').
+Rule rewards hold no model, so they run as stateless Ray tasks (stages/workers/tasks.py map_with_tasks),
+one contiguous block per task; a reward model would be a worker class with its own group instead.
+A reward function that raises, or returns a non-finite value, is a clear error naming the rollout
+(reward.on_error='raise'), or flags the row with reward_error and reward NaN so downstream checks can
+gate it (reward.on_error='flag').
 
 DAPO's soft overlong punishment (reward.overlong_buffer, stages.algos.dapo.overlong_reward_penalty)
 is added to the task score of training rollouts: `score` keeps the task score, `overlong_penalty`
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
+from configs.schema import RewardConfig
 from stages.algos.dapo import overlong_reward_penalty
 from stages.data.rewards import reward_fn_for
 from stages.workers.tasks import map_with_tasks
@@ -34,7 +37,8 @@ def _method_kw(fn: Callable[..., float], method: str) -> dict:
 
 
 class RewardStage:
-    """ds.map_batches(RewardStage, fn_constructor_kwargs={"cfg": reward_cfg}) or called directly.
+    """A picklable scorer: RewardStage(**options)(rollouts) -> rollouts with reward columns (in this
+    process, or in each Ray task of map_with_tasks).
 
     overlong: {"len", "penalty_factor", "max_response_length"} to shape rewards, or None.
     """
@@ -49,14 +53,14 @@ class RewardStage:
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         scores, names, errors = [], [], []
         for rid, ds, text, gt in zip(batch["rollout_id"], batch["data_source"], batch["response_text"],
-                                     batch["ground_truth"]):
+                                     batch["ground_truth"], strict=True):
             fn = reward_fn_for(ds)
             try:
                 value = float(fn(text, gt, **self.kw, **_method_kw(fn, self.gsm8k_method)))
                 if not math.isfinite(value):
                     raise ValueError(f"returned non-finite {value}")
                 err = None
-            except Exception as exc:  # noqa: BLE001 - user reward code; reported with the row
+            except Exception as exc:  # user reward code; reported with the row
                 if self.on_error == "raise":
                     raise ValueError(f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
                                      f"{rid}: {exc}. Fix the function or set reward.on_error='flag'.") from exc
@@ -69,12 +73,12 @@ class RewardStage:
             lengths = torch.tensor(batch["response_length"].to_numpy(dtype="int64"))
             penalty = overlong_reward_penalty(lengths, self.overlong["max_response_length"], self.overlong["len"],
                                               self.overlong["penalty_factor"]).double().tolist()
-        rewards = [s + p for s, p in zip(scores, penalty)]
+        rewards = [s + p for s, p in zip(scores, penalty, strict=True)]
         return batch.assign(reward=rewards, reward_fn=names, reward_error=errors, score=scores,
                             overlong_penalty=penalty)
 
 
-def score_rollouts(rollouts: pd.DataFrame, reward_cfg, *, use_ray: bool = True,
+def score_rollouts(rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True,
                    max_response_length: int | None = None) -> pd.DataFrame:
     """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
     score and overlong_penalty. Overlong shaping applies when reward_cfg.overlong_buffer.enable and

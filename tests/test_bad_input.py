@@ -225,7 +225,7 @@ def test_export_writes_a_plain_hf_dir_that_transformers_loads(tmp_path, capsys, 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, local_files_only=True)
-    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert tok("1+2=")["input_ids"] == AutoTokenizer.from_pretrained(tiny_checkpoint)("1+2=")["input_ids"]
     rc = main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])

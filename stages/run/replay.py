@@ -9,32 +9,24 @@ for values near 0), to absorb a different thread count or BLAS build.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 from configs.schema import RunConfig
 from stages.io import store
-from stages.train.batching import logprob_temperature
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
-from stages import seeds
+from stages.update import run_update, update_request
+from stages.workers.group import ensure_ray
 
 REPLAY_RTOL = 1e-4
 REPLAY_ATOL = 1e-7
 SKIP_METRICS = ("actor/weights_loaded_from_disk",)
 """Update metrics that describe how the update ran, not what it computed."""
-
-
-def policy_update_job(cfg: RunConfig, iteration: int, *, advantages_uri: str, advantages_version: int,
-                      policy_dir: str | Path, out_dir: str | Path) -> dict:
-    """The job dict of one policy update (what assets/training.py policy_checkpoint and the replay run)."""
-    return {"run_id": cfg.run_id, "iteration": iteration, "advantages_uri": advantages_uri,
-            "advantages_version": int(advantages_version), "policy_dir": str(policy_dir), "out_dir": str(out_dir),
-            "actor": cfg.actor.model_dump(mode="json"), "ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size,
-            "n_per_prompt": cfg.rollout.n, "seed": seeds.update(cfg.seed, iteration),
-            "temperature": logprob_temperature(cfg.rollout.temperature)}
 
 
 @dataclass
@@ -56,7 +48,8 @@ class ReplayReport:
         return max([r[3] for r in self.rows] + ([self.weights[1]] if self.weights else []), default=0.0)
 
     def table(self) -> str:
-        lines = [f"replay of run {self.run_id} iteration {self.iteration} (advantages version {self.advantages_version})",
+        lines = [f"replay of run {self.run_id} iteration {self.iteration} "
+                 f"(advantages version {self.advantages_version})",
                  f"{'quantity':<34}{'logged':>16}{'replayed':>16}{'rel diff':>12}  ok"]
         for name, a, b, rel, ok in self.rows:
             lines.append(f"{name:<34}{a:>16.8g}{b:>16.8g}{rel:>12.3g}  {'yes' if ok else 'NO'}")
@@ -94,15 +87,12 @@ def recorded_inputs(cfg: RunConfig, iteration: int) -> tuple[int, dict[str, floa
         raise ValueError(f"iteration_metrics commit {commit['version']} records no advantages version: "
                           "it was written by an rlake without lineage of the advantages read; re-run the iteration")
     rows = store.read_partition(uri, cfg.run_id, iteration, version=commit["version"])
-    return int(adv_version), dict(zip(rows["metric"], rows["value"].astype(float))), commit["config_hash"]
+    return int(adv_version), dict(zip(rows["metric"], rows["value"].astype(float), strict=True)), commit["config_hash"]
 
 
 def _state(path: Path) -> dict:
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        import torch
         return torch.load(path / "pytorch_model.bin", weights_only=True)
     out = {}
     for f in files:
@@ -126,15 +116,14 @@ def compare_weights(replayed: Path, stored: Path) -> tuple[float, float]:
 
 def replay_update(cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rtol: float = REPLAY_RTOL,
                   atol: float = REPLAY_ATOL) -> ReplayReport:
-    """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare."""
-    from stages.update import METRICS_FILE, run_policy_update
-
+    """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare (the
+    policy_checkpoint asset's request builder and update function, stages.update)."""
     out = Path(cfg.trainer.output_dir).resolve()
     adv_version, logged, cfg_hash = recorded_inputs(cfg, iteration)
     if cfg_hash != cfg.config_hash():
-        raise ValueError(f"the config given (hash {cfg.config_hash()}) is not the one run '{cfg.run_id}' trained with "
-                         f"(hash {cfg_hash}), so the replay would not reproduce its update; pass the run's --config and "
-                         "the same key=value overrides (its config.yaml is logged to the MLflow run)")
+        raise ValueError(f"the config given (hash {cfg.config_hash()}) is not the one run '{cfg.run_id}' trained "
+                         f"with (hash {cfg_hash}), so the replay would not reproduce its update; pass the run's "
+                         "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)")
     ms = ModelStore(out / "checkpoints", cfg.run_id)
     start = ms.policy_dir(iteration)
     if not (start / "config.json").is_file():
@@ -144,28 +133,16 @@ def replay_update(cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rt
             "plus the newest two, so replay an iteration whose version is kept or train with trainer.save_freq=1")
     scratch = Path(scratch_dir).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    job = policy_update_job(cfg, iteration, advantages_uri=str(out / "tables" / "advantages"),
-                            advantages_version=adv_version, policy_dir=start, out_dir=scratch / f"policy_v{iteration + 1}")
-    _ensure_ray(cfg)
-    run_policy_update(job, num_workers=cfg.actor.num_workers)
-    replayed = json.loads((Path(job["out_dir"]) / METRICS_FILE).read_text())
+    req = update_request(cfg, iteration, advantages_uri=str(out / "tables" / "advantages"),
+                         advantages_version=adv_version, policy_dir=start, out_dir=scratch / f"policy_v{iteration + 1}")
+    ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
+    replayed = run_update(req)
     report = ReplayReport(cfg.run_id, iteration, adv_version)
     for name in sorted(k for k in replayed if k.startswith("actor/") and k in logged and k not in SKIP_METRICS):
         a, b = logged[name], float(replayed[name])
         report.rows.append((name, a, b, _rel(a, b), _close(a, b, rtol, atol)))
     stored = ms.policy_dir(iteration + 1)
     if (stored / "config.json").is_file():
-        max_abs, max_rel = compare_weights(Path(job["out_dir"]), stored)
+        max_abs, max_rel = compare_weights(Path(req.out_dir), stored)
         report.weights = (max_abs, max_rel, max_rel <= rtol)
     return report
-
-
-def _ensure_ray(cfg: RunConfig) -> None:
-    import os
-
-    import ray
-
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
-        ray.init(address=cfg.ray.address, num_cpus=None if cfg.ray.address else cfg.ray.num_cpus,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)

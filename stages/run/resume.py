@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltalake import DeltaTable
+
 from stages import seeds
-from stages.io.checkpoints import ModelStore
+from stages.io.checkpoints import ModelStore, atomic_write_text
+from stages.models.tiny import build_char_tokenizer
 
 STATE_FILE = "trainer_state.json"
 SETUP_ITERATION = -1
@@ -76,12 +78,15 @@ def trainer_state(cfg, run_id: str, version: int, num_train_prompts: int) -> dic
 
 
 def write_trainer_state(policy_dir: str | Path, state: dict) -> Path:
-    """Atomic write (tmp file + os.replace) of policy_dir/trainer_state.json."""
-    path = Path(policy_dir) / STATE_FILE
-    tmp = path.with_name(STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    """policy_dir/trainer_state.json, written whole or not at all (atomic_write_text)."""
+    return atomic_write_text(Path(policy_dir) / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+
+
+def save_trainer_state(cfg, policy_dir: str | Path, version: int, num_train_prompts: int) -> Path:
+    """Write trainer_state(...) next to checkpoint policy_v<version> of run cfg.run_id. The one driver of it:
+    the asset that wrote the checkpoint calls it (initial_policy, policy_checkpoint), so a run from
+    `rlake train` and an iteration launched from the Dagster UI leave the same state file."""
+    return write_trainer_state(policy_dir, trainer_state(cfg, cfg.run_id, version, num_train_prompts))
 
 
 def read_trainer_state(policy_dir: str | Path) -> dict | None:
@@ -91,8 +96,6 @@ def read_trainer_state(policy_dir: str | Path) -> dict | None:
 
 def completed_iterations(metrics_uri: str, run_id: str) -> set[int]:
     """Iterations of run_id whose iteration_metrics partition exists (-1 = set-up done)."""
-    from deltalake import DeltaTable
-
     if not DeltaTable.is_deltatable(metrics_uri):
         return set()
     df = DeltaTable(metrics_uri).to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration"])
@@ -153,8 +156,6 @@ def check_trainer_state(state: dict | None, cfg, policy_dir: Path, version: int)
 def expected_model_signature(model_cfg) -> dict | None:
     """architectures / vocab / width / depth the run's model has (None when it cannot be known cheaply)."""
     if model_cfg.path == "tiny":
-        from stages.models.tiny import build_char_tokenizer
-
         t = model_cfg.tiny
         return {"architectures": ["Qwen2ForCausalLM"], "vocab_size": len(build_char_tokenizer()),
                 "hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers}

@@ -21,7 +21,7 @@ def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
     r_len = max(1, max(len(r) for r in responses))
     ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
     attn = torch.zeros((n, p_len + r_len), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         ids[i, p_len - len(p):p_len] = torch.as_tensor(list(p), dtype=torch.long)
         attn[i, p_len - len(p):p_len] = 1
         if len(r):
@@ -57,12 +57,39 @@ def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -
     return tempered(out.logits[:, :l_len], temperature)  # positions P-1 .. P+L-2: (N, L, V)
 
 
+def select_rows(batch: dict, idx: Tensor) -> dict:
+    """The rows idx of every tensor of a padded batch (a micro-batch); other entries (prompt_len) as they are."""
+    return {k: (v[idx] if isinstance(v, Tensor) else v) for k, v in batch.items()}
+
+
+def ragged_to_padded(lists, width: int) -> Tensor:
+    """(N, width) float32 from N ragged lists (zeros after each list's end)."""
+    out = torch.zeros(len(lists), width)
+    for i, values in enumerate(lists):
+        values = list(values)
+        out[i, :len(values)] = torch.as_tensor(values, dtype=torch.float32)
+    return out
+
+
 def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:
     """(N, L) advantages: rows["token_advantages"] (ragged lists) when present, else the (N,)
     rows["advantages"] copied onto every response token."""
     if rows.get("token_advantages") is None:
         return rows["advantages"].float()[:, None] * response_mask  # (N, L)
-    out = torch.zeros_like(response_mask)
-    for i, values in enumerate(rows["token_advantages"]):
-        out[i, :len(values)] = torch.as_tensor(list(values), dtype=torch.float32)
-    return out * response_mask
+    return ragged_to_padded(rows["token_advantages"], response_mask.shape[1]) * response_mask
+
+
+def actor_batch(rows: dict, pad_id: int, *, use_kl_loss: bool) -> dict[str, Tensor]:
+    """The padded batch of a policy update (both backends): pad_rollouts' tensors plus advantages (N, L) and,
+    for actor.use_kl_loss, the reference policy's ref_logprobs (N, L).
+
+    rows: prompt_token_ids, response_token_ids (N ragged lists each), advantages (N,) or token_advantages
+    (N ragged lists), ref_logprobs (N ragged lists, needed by the KL loss)."""
+    batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
+    batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
+    if use_kl_loss:
+        if "ref_logprobs" not in rows:
+            raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
+                             "reference log-prob stage or set actor.use_kl_loss=False.")
+        batch["ref_logprobs"] = ragged_to_padded(rows["ref_logprobs"], batch["responses"].shape[1])  # (N, L)
+    return batch

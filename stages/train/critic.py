@@ -13,16 +13,17 @@ Choices (verl semantics):
 - Alignment: values[:, t] is the head's output at position P-1+t, the same position whose logits
   predict response token t: the value of the state in which token t is chosen (verl
   `values[:, -response_length - 1:-1]`); it estimates the return from token t on.
-- Values and the update run in the calling process on one torch thread (single process, no DDP).
-  Measured on the 2-core box under load, 512 rollouts of the tiny_cpu model: values 0.22 s and the
-  update 0.86 s on one thread, 5.0 s and 21 s on two (thread contention): critic.ppo_epochs x mini-batches of critic.ppo_mini_batch_size
-  x rollout.n rollouts, gradient accumulation over critic.ppo_micro_batch_size rollouts, clipped
-  value loss (stages.algos.value) against the rollout-time values, grad clip critic.optim.grad_clip.
+- Values and the update run on one torch thread (single process, no DDP). Measured on the 2-core box
+  under load, 512 rollouts of the tiny_cpu model: values 0.22 s and the update 0.86 s on one thread,
+  5.0 s and 21 s on two (thread contention).
+- The update is the PPO loop of the actor (stages.train.ppo_loop): critic.ppo_epochs x mini-batches of
+  critic.ppo_mini_batch_size x rollout.n rollouts, gradient accumulation over critic.ppo_micro_batch_size
+  rollouts, clipped value loss (stages.algos.value) against the rollout-time values, grad clip
+  critic.optim.grad_clip.
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -32,13 +33,20 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers.utils import logging as hf_logging
 
 from stages.algos.masking import masked_mean, masked_var
-from stages.algos.value import compute_value_loss
-from stages.train.batching import pad_rollouts
-from stages.train.actor import clip_grads, make_optimizer, optimizer_step
+from stages.io.checkpoints import OPTIMIZER_FILE, atomic_dir, save_optimizer_state
+from stages.models.policy import load_tokenizer
+from stages.train.batching import pad_rollouts, ragged_to_padded, select_rows
+from stages.train.optim import CRITIC_GRAD_ERROR, clip_grads, make_optimizer, restore_optimizer
+from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, critic_loss, ppo_loop
 
-OPTIMIZER_FILE = "optimizer.pt"
+__all__ = ["METRICS_FILE", "OPTIMIZER_FILE", "compute_values", "critic_data_metrics", "critic_metrics",
+           "critic_update", "init_critic", "load_critic", "prune_critics", "ragged_to_padded", "require_critic",
+           "response_values", "run_critic_update", "torch_threads", "update_rows", "values_frame"]
+
 METRICS_FILE = "critic_metrics.json"
 
 
@@ -53,20 +61,19 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+@contextmanager
 def _quiet_transformers():
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    return level
+    """transformers logs errors only inside the block (no warning about the new value head)."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write critic version 0: policy_dir's backbone + a fresh scalar head (atomic: tmp dir + rename)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    from stages.models.policy import load_tokenizer
-
+    """Write critic version 0: policy_dir's backbone + a fresh scalar head (written with atomic_dir)."""
     policy_dir, out = Path(policy_dir), Path(out_dir)
     tok = load_tokenizer(policy_dir)
     config = AutoConfig.from_pretrained(policy_dir, num_labels=1, local_files_only=True)
@@ -79,11 +86,12 @@ def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -
             critic = AutoModelForTokenClassification.from_config(config)
         except ValueError as exc:
             raise ValueError(f"cannot build a value model from the policy at '{policy_dir}' ({config.model_type}): "
-                             f"transformers has no token-classification head for it ({exc}); PPO with GAE needs one, "
-                             "so pick a model type that has one (Qwen2, Llama, ...) or another adv_estimator") from exc
+                             f"transformers has no token-classification head for it ({exc}); PPO with GAE needs "
+                             "one, so pick a model type that has one (Qwen2, Llama, ...) or another adv_estimator"
+                             ) from exc
     prefix = critic.base_model_prefix
     critic.get_submodule(prefix).load_state_dict(policy.get_submodule(policy.base_model_prefix).state_dict())
-    return _save(critic, tok, out, optimizer_state=None, metrics={})
+    return _save(critic, tok, out, metrics={})
 
 
 def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
@@ -94,7 +102,8 @@ def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
         return path
     if version == 0:
         return init_critic(store.require(0, needed_by=needed_by), path, seed=seed)
-    have = sorted(int(p.name[len("critic_v"):]) for p in store.dir.glob("critic_v*") if p.name[len("critic_v"):].isdigit())
+    have = sorted(int(p.name[len("critic_v"):]) for p in store.dir.glob("critic_v*")
+                  if p.name[len("critic_v"):].isdigit())
     raise FileNotFoundError(
         f"{needed_by} needs critic version {version} at {path}, which does not exist (have {have}). Version "
         f"{version} is written by iteration {version - 1}'s critic_checkpoint: materialize that first.")
@@ -102,38 +111,27 @@ def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
 
 def load_critic(critic_dir: str | Path):
     """(value model in eval mode, tokenizer) of a critic directory written by init_critic / the update."""
-    from transformers import AutoModelForTokenClassification
-
-    from stages.models.policy import load_tokenizer
-
     path = Path(critic_dir)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is "
-                                "created from policy version 0 by the values asset of iteration 0: materialize it first.")
-    level = _quiet_transformers()
-    try:
+        raise FileNotFoundError(f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is created "
+                                "from policy version 0 by the values asset of iteration 0: materialize it first.")
+    with _quiet_transformers():
         model = AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
-    finally:
-        from transformers.utils import logging
-        logging.set_verbosity(level)
     if model.config.num_labels != 1:
         raise ValueError(f"critic at '{path}' has num_labels={model.config.num_labels}; a value model needs 1. "
                          "Delete it and let iteration 0 re-create it from the policy.")
     return model.eval(), load_tokenizer(path)
 
 
-def _save(model, tok, out: Path, *, optimizer_state: dict | None, metrics: dict) -> Path:
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    if out.exists():  # a retried attempt replaces its own earlier output
-        shutil.rmtree(out)
-    tmp.rename(out)
+def _save(model, tok, out: Path, *, metrics: dict, optimizer=None, scheduler=None) -> Path:
+    """The critic directory `out` (HF model + tokenizer, optimizer state when given, metrics), written whole or
+    not at all; a retried attempt replaces its own earlier output."""
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if optimizer is not None:
+            save_optimizer_state(tmp, optimizer.state_dict(), scheduler.state_dict())
+        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
     return out
 
 
@@ -145,25 +143,12 @@ def response_values(model, batch: dict) -> Tensor:
     return out.logits[:, p_len - 1:p_len - 1 + l_len, 0].float()  # (N, L)
 
 
-def _slice(batch: dict, idx: Tensor) -> dict:
-    return {k: (v[idx] if isinstance(v, Tensor) else v) for k, v in batch.items()}
-
-
-def ragged_to_padded(lists, width: int) -> Tensor:
-    """(N, width) float32 from N ragged lists (zeros after each list's end)."""
-    out = torch.zeros(len(lists), width)
-    for i, values in enumerate(lists):
-        values = list(values)
-        out[i, :len(values)] = torch.as_tensor(values, dtype=torch.float32)
-    return out
-
-
 @torch.no_grad()
 def compute_values(model, prompts, responses, pad_id: int, micro_batch_size: int) -> list[list[float]]:
     """Per-token values of each rollout's response tokens: N lists of len(response) floats."""
     batch = pad_rollouts(prompts, responses, pad_id)
     n = batch["input_ids"].shape[0]
-    vals = torch.cat([response_values(model, _slice(batch, torch.arange(s, min(s + micro_batch_size, n))))
+    vals = torch.cat([response_values(model, select_rows(batch, torch.arange(s, min(s + micro_batch_size, n))))
                       for s in range(0, n, micro_batch_size)])  # (N, L)
     return [vals[i, :len(r)].tolist() for i, r in enumerate(responses)]
 
@@ -181,7 +166,7 @@ def values_frame(rollouts: pd.DataFrame, critic_dir: str | Path, *, critic_versi
 
 def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_prompt: int, pad_id: int,
                   seed: int = 0) -> dict[str, float]:
-    """One iteration's critic optimization (single process).
+    """One iteration's critic optimization (single process) through the PPO loop (stages.train.ppo_loop).
 
     Args:
         rows: prompt_token_ids, response_token_ids, values (rollout-time values), returns (GAE
@@ -197,34 +182,18 @@ def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_
     batch["returns"] = ragged_to_padded(rows["returns"], width) * batch["response_mask"]  # (N, L)
     mini_size, micro = critic_cfg.ppo_mini_batch_size * n_per_prompt, critic_cfg.ppo_micro_batch_size
     assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
-    gen = torch.Generator().manual_seed(seed)
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    metrics = MetricAccumulator()
 
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value
-        counts[key] = counts.get(key, 0) + 1
+    def loss_fn(mb: dict) -> tuple[Tensor, dict[str, float]]:
+        return critic_loss(response_values(model, mb), mb, critic_cfg)  # values (n_mb, L)
 
     model.train()
-    for _ in range(critic_cfg.ppo_epochs):
-        order = torch.randperm(n, generator=gen)
-        for m0 in range(0, n, mini_size):
-            mini = order[m0:m0 + mini_size]
-            n_micro = math.ceil(len(mini) / micro)
-            for k in range(n_micro):
-                mb = _slice(batch, mini[k * micro:(k + 1) * micro])
-                vpreds = response_values(model, mb)  # (n_mb, L)
-                loss, m = compute_value_loss(vpreds, mb["returns"], mb["old_values"], mb["response_mask"],
-                                             cliprange_value=critic_cfg.cliprange_value,
-                                             loss_agg_mode=critic_cfg.loss_agg_mode)
-                (loss / n_micro).backward()
-                for key, value in m.items():
-                    add(key, value)
-            grad_norm = clip_grads(model, critic_cfg.optim.grad_clip)
-            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="critic", error=(
-                "non-finite critic grad norm {norm}; lower critic.optim.lr or check the returns in the advantages table"))
+    ppo_loop(n, mini_batch_size=mini_size, micro_batch_size=micro, epochs=critic_cfg.ppo_epochs, seed=seed,
+             backward=lambda micro_idx: accumulate_grads(batch, micro_idx, loss_fn, metrics),
+             finish_grads=lambda: clip_grads(model, critic_cfg.optim.grad_clip), optimizer=optimizer,
+             scheduler=scheduler, metrics=metrics, prefix="critic", error=CRITIC_GRAD_ERROR)
     model.eval()
-    return {k: sums[k] / counts[k] for k in sorted(sums)}
+    return metrics.means()
 
 
 def update_rows(advantages: pd.DataFrame, values: pd.DataFrame) -> dict:
@@ -244,19 +213,14 @@ def run_critic_update(critic_dir: str | Path, out_dir: str | Path, rows: dict, c
     """Load critic version v (and its optimizer state), update it on `rows`, write version v+1 to out_dir."""
     model, tok = load_critic(critic_dir)
     opt, sched = make_optimizer(model, critic_cfg.optim)
-    opt_path = Path(critic_dir) / OPTIMIZER_FILE
-    if opt_path.is_file():
-        state = torch.load(opt_path, weights_only=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+    restore_optimizer(opt, sched, critic_dir)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch_threads(threads):
         metrics = critic_update(model, opt, sched, rows, critic_cfg, n_per_prompt=n_per_prompt,
                                 pad_id=tok.pad_token_id, seed=seed)
     metrics["timing_s/critic_update"] = time.perf_counter() - t0
-    _save(model, tok, Path(out_dir), optimizer_state={"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-          metrics=metrics)
+    _save(model, tok, Path(out_dir), metrics=metrics, optimizer=opt, scheduler=sched)
     return metrics
 
 
@@ -285,7 +249,8 @@ def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, new_critic_di
     """An iteration's critic metrics: the data metrics plus those the update stored beside version v+1."""
     path = Path(new_critic_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no critic update metrics at {path}: materialize critic_checkpoint of this iteration first")
+        raise FileNotFoundError(f"no critic update metrics at {path}: materialize critic_checkpoint of this "
+                                "iteration first")
     return critic_data_metrics(advantages, values) | json.loads(path.read_text())
 
 

@@ -2,8 +2,10 @@
 
 verl keeps its worker groups alive for the whole run, and so does rlake: starting a trainer group
 or loading an engine costs seconds, so a role's actors are created once and found again by name
-(`rlake:<role>:<rank>`) by every later stage of the run, in the same process or not. There is no
-module-level registry: Ray's named actors are the registry.
+(`rlake:<role>:<build>:<rank>`) by every later stage of the run. There is no module-level registry:
+Ray's named actors are the registry. They are detached (a named actor that is not would be
+garbage-collected as soon as the stage that built it drops its WorkerGroup) and killed when the
+driver process exits (`shutdown_worker_groups`, registered at exit once a group is built).
 
     group = worker_group(ActorWorker, "actor", num_workers=2, threads=1, process_group=True)
     metrics = group.call(ActorWorker.update, request)          # one result per rank
@@ -18,6 +20,8 @@ Ray CPUs: the stages run one at a time and each worker sets its own thread count
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import socket
@@ -91,7 +95,7 @@ class WorkerGroup:
     def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
         """method(*per_rank_args[i]) on rank i (fewer argument tuples than ranks: the first ranks only)."""
         name = _method_name(self.worker_cls, method)
-        refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, per_rank_args)]
+        refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, per_rank_args, strict=False)]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -106,7 +110,7 @@ class WorkerGroup:
         for h in self.handles:
             try:
                 ray.kill(h, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or a handle of an earlier Ray session
+            except Exception:  # already dead, or a handle of an earlier Ray session
                 pass
         self.handles = []
 
@@ -134,7 +138,7 @@ def _find(role: str) -> list:
 def _kill_named(name: str) -> None:
     try:
         ray.kill(ray.get_actor(name), no_restart=True)
-    except Exception:  # noqa: BLE001 - died meanwhile
+    except Exception:  # died meanwhile
         pass
 
 
@@ -157,9 +161,9 @@ def worker_group(worker_cls: type, role: str, num_workers: int, *, threads: int 
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
     build = uuid.uuid4().hex[:8]
-    handles = [remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}").remote(i, num_workers, threads, shape,
-                                                                              **init_kwargs)
-               for i in range(num_workers)]
+    _kill_groups_at_exit()
+    handles = [remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached").remote(
+        i, num_workers, threads, shape, **init_kwargs) for i in range(num_workers)]
     group = WorkerGroup(worker_cls, role, handles)
     if process_group and num_workers > 1:
         host, port = ray.get(handles[0].free_address.remote())
@@ -184,7 +188,28 @@ def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerG
     raise AssertionError("unreachable")
 
 
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect this process to Ray once: the cluster at `address`, or a local one with num_cpus (None:
+    all) when address is None (ray.address / ray.num_cpus of the run config). A no-op when connected."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
+    # a local cluster is this process's own: its namespace may be fixed (detached worker actors in the
+    # anonymous namespace make the raylet print a warning); on a shared cluster each driver keeps its own
+    ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace=None if address else "rlake")
+
+
 def shutdown_worker_groups() -> None:
     """Kill every rlake worker of this Ray session (the driver exiting does the same)."""
+    if not ray.is_initialized():  # at exit after ray.shutdown(): a local cluster took its actors along
+        return
     for name in _named(NAME_PREFIX):
         _kill_named(name)
+
+
+@functools.cache
+def _kill_groups_at_exit() -> None:
+    """Register shutdown_worker_groups at exit, once, after ray.init registered its own shutdown (exit
+    handlers run last-registered first, so the workers are killed while Ray is still connected)."""
+    atexit.register(shutdown_worker_groups)

@@ -191,7 +191,7 @@ def test_dagster_runs_of_killed_processes_are_marked_failed(killed_and_resumed) 
 def _kill_writer_mid_write(uri: Path, tmp_path: Path) -> tuple[int, int]:
     """Start a process writing a 3M-row partition; SIGKILL it as soon as its data file appears
     (staged as `<name>.parquet#N`, renamed, then committed). Returns (table version, rows of R/0)."""
-    writer = ("import pandas as pd; from stages import store; n = 3_000_000\n"
+    writer = ("import pandas as pd; from stages.io import store; n = 3_000_000\n"
               "df = pd.DataFrame({'policy_version': 1, 'metric': [f'x{i}' for i in range(n)], 'value': 2.0})\n"
               f"store.write_partition({str(uri)!r}, 'iteration_metrics', df, run_id='R', iteration=0, lineage={{}})\n")
     part = uri / f"run_id={RUN}" / "iteration=0"

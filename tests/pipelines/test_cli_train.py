@@ -61,7 +61,7 @@ def test_train_on_a_terminal_shows_progress_and_keeps_noise_in_the_log(tmp_path:
     text = ANSI.sub("\n", out)
     assert code == 0, text[-3000:]
     assert "iteration 0:" in text and "iteration 1:" in text and "done: 2 iterations" in text
-    stages = ("prompt_batch", "rollouts", "scored_rollouts", "advantages", "policy_checkpoint", "iteration_metrics")
+    stages = ("prompt_batches", "rollouts", "scored_rollouts", "advantages", "policy_checkpoint", "iteration_metrics")
     assert any(s in text for s in stages), "the live display names the running stage"
     assert "tok/s=" in text and "reward=" in text  # stats from the rollouts / scored_rollouts materializations
     noise = [line for line in text.splitlines() if any(n in line for n in NOISE)]

@@ -1,26 +1,61 @@
-"""The one Definitions loads, every job resolves, the graph is the designed DAG, the sensor chains."""
+"""The one Definitions loads, every job resolves, the graph is the designed DAG (stages/dag.py), the sensor chains."""
+
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import dagster as dg
+import pytest
 
-from pipelines.definitions import ASSETS, build_definitions, defs
-from pipelines.jobs import ITERATION_JOB, SETUP_JOB
+from configs.schema import load_config
+from pipelines.definitions import ASSETS, build_definitions
+from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_assets
 from pipelines.sensors import next_iteration
+from stages import dag
+
+CI = "configs/ci_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_definitions_load_and_jobs_resolve() -> None:
+@pytest.fixture(scope="module")
+def defs() -> dg.Definitions:
+    return build_definitions(load_config(CI))
+
+
+def _selected(*overrides: str) -> set[str]:
+    job = build_definitions(load_config(CI, list(overrides))).resolve_job_def(ITERATION_JOB)
+    return {k.to_user_string() for k in job.asset_layer.selected_asset_keys}
+
+
+def test_definitions_load_and_jobs_resolve(defs) -> None:
     for name in (SETUP_JOB, ITERATION_JOB):
         assert defs.resolve_job_def(name).name == name
-    assert {a.key.to_user_string() for a in ASSETS} == {
-        "prompts", "initial_policy", "prompt_batch", "rollouts", "scored_rollouts", "advantages",
-        "policy_checkpoint", "iteration_metrics", "values", "critic_checkpoint", "ref_logprobs"}
+    assert [a.key.to_user_string() for a in ASSETS] == [
+        "prompts",
+        "initial_policy",
+        "prompt_batches",
+        "rollouts",
+        "ref_logprobs",
+        "scored_rollouts",
+        "values",
+        "advantages",
+        "policy_checkpoint",
+        "critic_checkpoint",
+        "iteration_metrics",
+    ]
     assert set(defs.resources) == {"run_config", "ray", "rollout_store", "model_store", "tracker"}
 
 
-def test_asset_graph_is_the_iteration_dag() -> None:
+def test_asset_graph_is_the_iteration_dag(defs) -> None:
     graph = defs.resolve_asset_graph()
-    up = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()}
-    assert up["rollouts"] == {"prompt_batch"}
+    up = {
+        k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()
+    }
+    assert up["rollouts"] == {"prompt_batches"}
     assert up["scored_rollouts"] == {"rollouts"}
     assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
@@ -30,18 +65,90 @@ def test_asset_graph_is_the_iteration_dag() -> None:
     assert {"responses_nonempty", "rewards_finite", "advantages_finite"} <= checks
 
 
-def test_iteration_job_runs_the_critic_only_for_gae() -> None:
-    def selected(*overrides: str) -> set[str]:
-        job = build_definitions("configs/ci_tiny.yaml", list(overrides)).resolve_job_def(ITERATION_JOB)
-        return {k.to_user_string() for k in job.asset_layer.selected_asset_keys}
-    assert not {"values", "critic_checkpoint"} & selected()
-    assert {"values", "critic_checkpoint"} <= selected("algorithm.adv_estimator=gae")
+def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
+    """Every asset is a row of stages/dag.py and its Dagster deps are the row's upstream; rows are in a
+    topological order, name existing stage modules, and carry the timing metric names users see."""
+    graph = defs.resolve_asset_graph()
+    rows = dag.SETUP + dag.ITERATION
+    assert {k.to_user_string() for k in graph.get_all_asset_keys()} == {s.name for s in rows}
+    seen: set[str] = set()
+    for s in rows:
+        assert {p.to_user_string() for p in graph.get(dg.AssetKey(s.name)).parent_keys} == set(s.upstream), s.name
+        assert set(s.upstream) <= seen, f"{s.name} comes before its upstream {set(s.upstream) - seen}"
+        assert importlib.util.find_spec(s.module) is not None, s.module
+        seen.add(s.name)
+    assert dag.STEP_TIMINGS == (
+        "timing_s/prompt_batch",
+        "timing_s/rollouts",
+        "timing_s/ref_logprobs",
+        "timing_s/scored_rollouts",
+        "timing_s/advantages",
+        "timing_s/update",
+        "timing_s/critic_update",
+    )
+    assert dag.TABLES == (
+        "prompts",
+        "prompt_batches",
+        "rollouts",
+        "ref_logprobs",
+        "scored_rollouts",
+        "values",
+        "advantages",
+        "iteration_metrics",
+    )
+    assert iteration_assets() == [
+        "prompt_batches",
+        "rollouts",
+        "scored_rollouts",
+        "advantages",
+        "policy_checkpoint",
+        "iteration_metrics",
+    ]
+
+
+def test_iteration_job_runs_the_critic_only_for_gae_and_the_reference_only_with_kl() -> None:
+    assert not {"values", "critic_checkpoint", "ref_logprobs"} & _selected()
+    assert {"values", "critic_checkpoint"} <= _selected("algorithm.adv_estimator=gae")
+    assert "ref_logprobs" in _selected("actor.use_kl_loss=true")
 
 
 def test_build_definitions_takes_a_config(tmp_path) -> None:
-    d = build_definitions("configs/ci_tiny.yaml", [f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(CI, [f"trainer.output_dir={tmp_path}", "trainer.run_id=given"])
+    d = build_definitions(cfg)
     assert d.resources["rollout_store"].root == str(tmp_path / "tables")
     assert d.resources["tracker"].tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert d.resources["run_config"].load() is cfg  # the parsed config itself: no second parse in this process
+
+
+def test_run_config_resource_parses_its_json_once_per_process() -> None:
+    from assets.resources import RunConfigResource
+
+    cfg = load_config(CI, ["trainer.run_id=json"])
+    res = RunConfigResource(config_json=cfg.model_dump_json(indent=1))  # as a fresh run process gets it
+    parsed = res.load()
+    assert parsed == cfg and parsed.config_hash() == cfg.config_hash() and parsed.run_id == "json"
+    assert RunConfigResource(config_json=cfg.model_dump_json(indent=1)).load() is parsed
+
+
+def test_importing_the_definitions_module_builds_nothing() -> None:
+    """`import pipelines.definitions` parses no config (only `defs()`, the dagster dev entry point, does)."""
+    code = (
+        "import configs.schema as s\n"
+        "calls = []\n"
+        "orig = s.load_config\n"
+        "s.load_config = lambda *a, **k: calls.append(a) or orig(*a, **k)\n"
+        "import pipelines.definitions as d\n"
+        "assert calls == [], calls\n"
+        "import dagster as dg\n"
+        "assert not isinstance(d.defs, dg.Definitions)\n"
+        "built = d.defs()\n"
+        "assert isinstance(built, dg.Definitions) and len(calls) == 1, calls\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RLAKE_CONFIG", "RLAKE_OVERRIDES", "RL_ENV")}
+    env |= {"RLAKE_CONFIG": str(ROOT / CI), "RLAKE_OVERRIDES": "trainer.run_id=ui;trainer.total_training_steps=5"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_next_iteration_chain() -> None:
@@ -54,16 +161,18 @@ def test_next_iteration_chain() -> None:
 def test_sensor_requests_next_partition(tmp_path) -> None:
     """Evaluate the real run-status sensor against a real (ephemeral) instance and a finished run."""
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        d = build_definitions("configs/ci_tiny.yaml", [f"trainer.output_dir={tmp_path}"])
+        d = build_definitions(load_config(CI, [f"trainer.output_dir={tmp_path}"]))
         sensor = d.get_sensor_def("next_iteration_sensor")
         run = instance.create_run_for_job(d.resolve_job_def(ITERATION_JOB), tags={"dagster/partition": "0"})
-        ctx = dg.build_run_status_sensor_context(sensor_name=sensor.name, dagster_instance=instance,
-                                                 dagster_run=run, dagster_event=_success_event(run))
+        ctx = dg.build_run_status_sensor_context(
+            sensor_name=sensor.name, dagster_instance=instance, dagster_run=run, dagster_event=_success_event(run)
+        )
         result = sensor(ctx)
         assert isinstance(result, dg.RunRequest) and result.partition_key == "1"
         assert "1" in instance.get_dynamic_partitions("iteration")
 
 
 def _success_event(run):
-    return dg.DagsterEvent(event_type_value=dg.DagsterEventType.RUN_SUCCESS.value, job_name=run.job_name,
-                           message="done")
+    return dg.DagsterEvent(
+        event_type_value=dg.DagsterEventType.RUN_SUCCESS.value, job_name=run.job_name, message="done"
+    )

@@ -35,7 +35,8 @@ def _materialize(out, instance, asset: str | list[str], overrides: list[str], *,
     from pipelines.definitions import ASSETS
     from pipelines.resources import build_resources
 
-    resources = build_resources(CONFIG, [f"trainer.output_dir={out}", f"trainer.run_id={run_id}", *overrides])
+    cfg = load_config(CONFIG, [f"trainer.output_dir={out}", f"trainer.run_id={run_id}", *overrides])
+    resources = build_resources(cfg)
     return dg.materialize(ASSETS, selection=[asset] if isinstance(asset, str) else asset, partition_key="0", instance=instance, resources=resources,
                           raise_on_error=raise_on_error)
 

@@ -121,7 +121,7 @@ def test_graph_served_runs_launched_and_one_asset_of_one_partition_rematerialize
         partitionsDefName: "iteration", partitionKey: "0") { __typename } }""",
                  {"r": {"repositoryLocationName": node["location"]["name"], "repositoryName": node["name"]}})
     assert added["addDynamicPartition"]["__typename"] == "AddDynamicPartitionSuccess", added
-    first = _launch(port, node, "rl_iteration_job", assets=["prompt_batch", "rollouts", "scored_rollouts"], partition="0")
+    first = _launch(port, node, "rl_iteration_job", assets=["prompt_batches", "rollouts", "scored_rollouts"], partition="0")
     assert _wait(port, first) == "SUCCESS"
     uri = {t: str(out / "tables" / t) for t in ("rollouts", "scored_rollouts")}
     rollouts_version, scored_before = store.table_version(uri["rollouts"]), store.table_version(uri["scored_rollouts"])
@@ -155,7 +155,7 @@ def test_asset_graph_page_renders_in_headless_chromium(webserver, tmp_path) -> N
     args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             "--window-size=1600,1000", "--virtual-time-budget=20000"]
     dom = subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-    for text in ("prompt_batch", "rollouts", "scored_rollouts", "Asset checks", "Partitions"):
+    for text in ("prompt_batches", "rollouts", "scored_rollouts", "Asset checks", "Partitions"):
         assert text in dom, f"the ROLLOUT asset graph page lacks '{text}'"
     assert "Join the Dagster community" not in dom
     shot = tmp_path / "asset_graph.png"

@@ -16,7 +16,7 @@ from stages.train.critic import (OPTIMIZER_FILE, compute_values, critic_data_met
                            load_critic, ragged_to_padded, require_critic, response_values, run_critic_update,
                            update_rows, values_frame)
 from stages.models.policy import load_policy
-from stages.train.actor import make_optimizer
+from stages.train.optim import make_optimizer
 from tests.stages.helpers_rollouts import make_rows
 
 

@@ -2,7 +2,7 @@
 
 One PPO iteration (2 optimizer steps x 2 micro-batches of 2 rollouts, AdamW lr 1e-3, grad clip
 1.0, entropy bonus) on a tiny tied Qwen2 (4 layers, 4 heads, 2 KV heads) from the same advantages
-Delta table, through each backend's real `train_loop_per_worker(job)`: torch in-process at world 1,
+Delta table, through each backend's real `ActorWorker.update(request)`: torch in-process at world 1,
 Megatron in spawned gloo processes at TP=1, TP=2, PP=2; and TP=2 x DP=2 against torch DDP at
 world 2. Compared: the HF checkpoint, update_metrics.json, the optimizer state in HF order.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,34 +41,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, job: dict) -> None:
+def _entry(rank: int, world: int, port: int, req) -> None:
+    """One rank of an update in a spawned process: the ActorWorker of req.actor.strategy, in-process."""
     import torch.distributed as dist
 
-    from stages.train.megatron import train_loop_per_worker
+    from stages.workers.actor_worker import ActorWorker
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        train_loop_per_worker(job)
+        ActorWorker(rank, world, 1, strategy=req.actor.strategy).update(req)
     finally:
         dist.destroy_process_group()
 
 
-def spawn_megatron(job: dict, world: int) -> None:
+def spawn_megatron(req, world: int) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world, _free_port(), job), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, _free_port(), req), nprocs=world, join=True)
 
 
-def _torch_entry(rank: int, world: int, port: int, job: dict) -> None:
-    import torch.distributed as dist
+def update_in_process(req) -> None:
+    """A world-1 update in this process (no process group: the torch backend runs without DDP)."""
+    from stages.workers.actor_worker import ActorWorker
 
-    from stages.update import train_loop_per_worker
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        train_loop_per_worker(job)
-    finally:
-        dist.destroy_process_group()
+    ActorWorker(0, 1, 1, strategy=req.actor.strategy).update(req)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +72,9 @@ def policy_and_table(tmp_path_factory) -> dict:
     import pandas as pd
 
     from configs.schema import TinyModelConfig
+    from stages.io.store import write_partition
     from stages.models.policy import save_policy
     from stages.models.tiny import build_char_tokenizer, build_tiny_model
-    from stages.io.store import write_partition
 
     root = tmp_path_factory.mktemp("megatron")
     tok = build_char_tokenizer()
@@ -101,14 +98,17 @@ def policy_and_table(tmp_path_factory) -> dict:
 
 
 def make_job(ctx: dict, out: str, *, strategy: str = "megatron", tp: int = 1, pp: int = 1,
-             policy_dir: Path | None = None, **actor) -> dict:
+             policy_dir: Path | None = None, **actor):
+    from configs.schema import ActorConfig
+    from stages.workers.requests import UpdateRequest
+
     actor_cfg = {"strategy": strategy, "ppo_mini_batch_size": 1, "ppo_micro_batch_size": 2, "ppo_epochs": 1,
                  "entropy_coeff": 0.01, "optim": {"lr": 1e-3, "grad_clip": 1.0},
                  "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, **actor}
-    return {"advantages_uri": ctx["advantages_uri"], "advantages_version": ctx["advantages_version"],
-            "run_id": "r", "iteration": 0, "ppo_mini_batch_size": 1, "n_per_prompt": N_PER_PROMPT,
-            "seed": 0, "policy_dir": str(policy_dir or ctx["root"] / "policy"),
-            "out_dir": str(ctx["root"] / out), "threads_per_worker": 1, "actor": actor_cfg}
+    return UpdateRequest(advantages_uri=ctx["advantages_uri"], advantages_version=ctx["advantages_version"],
+                         run_id="r", iteration=0, n_per_prompt=N_PER_PROMPT, seed=0,
+                         policy_dir=str(policy_dir or ctx["root"] / "policy"), out_dir=str(ctx["root"] / out),
+                         threads_per_worker=1, actor=ActorConfig.model_validate(actor_cfg))
 
 
 def load_out(out_dir: str) -> tuple[dict, dict, dict]:
@@ -152,11 +152,9 @@ def initial_weights(policy_and_table) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def torch_out(policy_and_table) -> str:
-    from stages.update import train_loop_per_worker
-
     job = make_job(policy_and_table, "torch", strategy="torch")
-    train_loop_per_worker(job)
-    return job["out_dir"]
+    update_in_process(job)
+    return job.out_dir
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +163,7 @@ def megatron_outs(policy_and_table) -> dict[tuple[int, int], str]:
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         job = make_job(policy_and_table, f"megatron_tp{tp}_pp{pp}", tp=tp, pp=pp)
         spawn_megatron(job, tp * pp)
-        outs[(tp, pp)] = job["out_dir"]
+        outs[(tp, pp)] = job.out_dir
     return outs
 
 
@@ -187,8 +185,8 @@ def torch_ddp2_out(policy_and_table) -> str:
     import torch.multiprocessing as mp
 
     ref = make_job(policy_and_table, "torch_ddp2", strategy="torch", num_workers=2)
-    mp.spawn(_torch_entry, args=(2, _free_port(), ref), nprocs=2, join=True)
-    return ref["out_dir"]
+    mp.spawn(_entry, args=(2, _free_port(), ref), nprocs=2, join=True)
+    return ref.out_dir
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -197,23 +195,21 @@ def test_dp2_matches_torch_ddp(policy_and_table, torch_ddp2_out, initial_weights
     rows split by DP rank like the torch workers."""
     job = make_job(policy_and_table, f"megatron_tp{tp}_dp2", tp=tp, num_workers=2 * tp)
     spawn_megatron(job, 2 * tp)
-    assert_same_outputs(job["out_dir"], torch_ddp2_out, initial_weights)
+    assert_same_outputs(job.out_dir, torch_ddp2_out, initial_weights)
 
 
 def test_resume_from_megatron_optimizer_state(policy_and_table, megatron_outs, torch_out) -> None:
     """A second iteration from a Megatron checkpoint (its optimizer.pt in HF order) matches the
     torch backend resuming from its own checkpoint: the state round-trips through the shards."""
-    from stages.update import train_loop_per_worker
-
     ref = make_job(policy_and_table, "torch_it1", strategy="torch", policy_dir=Path(torch_out))
-    train_loop_per_worker(ref)
+    update_in_process(ref)
     job = make_job(policy_and_table, "megatron_it1", tp=2, policy_dir=Path(megatron_outs[(2, 1)]))
     spawn_megatron(job, 2)
     from safetensors.torch import load_file
 
     w1 = load_file(str(Path(torch_out) / "model.safetensors"))
-    assert_same_outputs(job["out_dir"], ref["out_dir"], w1)
-    assert torch.load(Path(job["out_dir"]) / "optimizer.pt", weights_only=False)["scheduler"]["last_epoch"] == 4
+    assert_same_outputs(job.out_dir, ref.out_dir, w1)
+    assert torch.load(Path(job.out_dir) / "optimizer.pt", weights_only=False)["scheduler"]["last_epoch"] == 4
 
 
 def test_num_workers_not_a_grid_is_rejected() -> None:
@@ -227,25 +223,23 @@ def test_num_workers_not_a_grid_is_rejected() -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_worker_group_dispatch_tp2(ray_session, policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
-    """stages.update.run_policy_update dispatches strategy='megatron' to this backend on
-    the persistent gloo worker group and returns rank 0's metrics."""
-    from stages.update import run_policy_update
+    """stages.update.run_update runs a strategy='megatron' request on the actor group (ActorWorkers of
+    this backend, one gloo group) and returns rank 0's metrics."""
+    from stages.update import run_update
 
     job = make_job(policy_and_table, "megatron_ray_tp2", tp=2, num_workers=2)
-    metrics = run_policy_update(job, num_workers=2)
+    metrics = run_update(job)
     assert metrics["actor/num_rollouts"] == N_PROMPTS * N_PER_PROMPT
-    assert_same_outputs(job["out_dir"], megatron_outs[(2, 1)], initial_weights)
+    assert_same_outputs(job.out_dir, megatron_outs[(2, 1)], initial_weights)
 
 
 def test_rollout_temperature_reaches_both_backends(policy_and_table, torch_out, initial_weights) -> None:
     """verl divides the actor's logits by rollout.temperature (old and new log-probs, entropy): the
-    job's temperature does that in both backends, identically."""
-    from stages.update import train_loop_per_worker
-
-    torch_job = {**make_job(policy_and_table, "torch_t07", strategy="torch"), "temperature": 0.7}
-    train_loop_per_worker(torch_job)
-    megatron_job = {**make_job(policy_and_table, "megatron_t07"), "temperature": 0.7}
+    request's temperature does that in both backends, identically."""
+    torch_job = replace(make_job(policy_and_table, "torch_t07", strategy="torch"), temperature=0.7)
+    update_in_process(torch_job)
+    megatron_job = replace(make_job(policy_and_table, "megatron_t07"), temperature=0.7)
     spawn_megatron(megatron_job, 1)
-    assert_same_outputs(megatron_job["out_dir"], torch_job["out_dir"], initial_weights)
-    tempered, plain = load_out(torch_job["out_dir"])[2], load_out(torch_out)[2]
+    assert_same_outputs(megatron_job.out_dir, torch_job.out_dir, initial_weights)
+    tempered, plain = load_out(torch_job.out_dir)[2], load_out(torch_out)[2]
     assert tempered["actor/entropy"] < plain["actor/entropy"]  # logits / 0.7: a sharper distribution

@@ -1,4 +1,4 @@
-"""Stages on a real local Ray: rollouts on the persistent engine hosts, the update on the gloo worker group."""
+"""Stages on a real local Ray: rollouts on the rollout workers, the update on the actor group (gloo)."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,11 @@ from configs.schema import ActorConfig, OptimConfig, RolloutConfig
 from stages.io import store
 from stages.models.policy import encode_chat, load_policy
 from stages.rollout import generate_rollouts
-from stages.train.actor import make_optimizer, ppo_update
-from stages.update import METRICS_FILE, run_policy_update, shard_for_rank
+from stages.train.actor import ppo_update
+from stages.train.optim import make_optimizer
+from stages.update import METRICS_FILE, run_update
+from stages.workers.actor_worker import shard_for_rank
+from stages.workers.requests import UpdateRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import as_trainer_rows, make_rows  # noqa: E402
@@ -25,7 +28,7 @@ def test_shard_for_rank_splits_every_mini_batch() -> None:
     assert shard_for_rank(8, 4, 0, 2) == [0, 1, 4, 5] and shard_for_rank(8, 4, 1, 2) == [2, 3, 6, 7]
 
 
-def test_rollouts_on_engine_hosts(ray_session, tiny_checkpoint) -> None:
+def test_rollouts_on_rollout_workers(ray_session, tiny_checkpoint) -> None:
     _, tok = load_policy(tiny_checkpoint)
     import pandas as pd
     prompts = [encode_chat(tok, [{"role": "user", "content": f"{i}+1="}])[0] for i in range(6)]
@@ -50,10 +53,10 @@ def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp
     version = store.write_partition(uri, "advantages", df, run_id="r", iteration=0, lineage={"stage": "test"})
     actor = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, num_workers=2,
                         loss_agg_mode="seq-mean-token-mean", optim=OptimConfig(lr=1e-3))
-    job = {"run_id": "r", "iteration": 0, "advantages_uri": uri, "advantages_version": version,
-           "policy_dir": str(tiny_checkpoint), "out_dir": str(tmp_path / "v1"), "actor": actor.model_dump(mode="json"),
-           "ppo_mini_batch_size": 4, "n_per_prompt": 4, "seed": 0}
-    metrics = run_policy_update(job, num_workers=2)
+    req = UpdateRequest(run_id="r", iteration=0, advantages_uri=uri, advantages_version=version,
+                        policy_dir=str(tiny_checkpoint), out_dir=str(tmp_path / "v1"), actor=actor, n_per_prompt=4,
+                        seed=0)
+    metrics = run_update(req)
     assert json.loads((tmp_path / "v1" / METRICS_FILE).read_text())["actor/num_rollouts"] == 16.0
     assert (tmp_path / "v1" / "optimizer.pt").is_file() and metrics["timing_s/update"] > 0
     ddp, _ = load_policy(tmp_path / "v1")

@@ -1,5 +1,5 @@
 """Reference log-prob stage: equals the rollout engine's log-probs for the policy that sampled
-(iteration 0: reference == policy v0), is batch-composition independent, and runs on Ray Data."""
+(iteration 0: reference == policy v0), is batch-composition independent, and runs on the ref workers."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +10,9 @@ import torch
 from configs.schema import RolloutConfig
 from stages.models.policy import encode_chat, load_policy, save_policy
 from stages.models.tiny import build_tiny_model
-from stages.ref_logprobs import RefLogprobStage, compute_ref_logprobs, needs_ref_logprobs
+from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs, needs_ref_logprobs
 from stages.rollout import generate_rollouts
+from stages.workers.ref_worker import RefWorker
 
 
 def _rollouts(model_dir, n_prompts: int = 5, n: int = 3, temperature: float = 1.0) -> pd.DataFrame:
@@ -53,8 +54,8 @@ def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint,
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint, temperature) -> None:
-    from stages.train.batching import pad_rollouts
     from stages.train.actor import compute_logprobs
+    from stages.train.batching import pad_rollouts
 
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
     ref = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False,
@@ -69,8 +70,11 @@ def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint, temperat
 
 def test_ref_logprobs_do_not_depend_on_micro_batching(tiny_checkpoint) -> None:
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
-    one = RefLogprobStage(str(tiny_checkpoint), micro_batch_size=1)(out)
-    all_ = RefLogprobStage(str(tiny_checkpoint), micro_batch_size=64)(out)
+    def ref(micro_batch_size: int) -> pd.DataFrame:
+        return RefWorker(0, 1, torch.get_num_threads(), model_dir=str(tiny_checkpoint),
+                         ref_policy_version=REF_POLICY_VERSION, micro_batch_size=micro_batch_size)
+    one = ref(1).compute_ref_log_prob(out)
+    all_ = ref(64).compute_ref_log_prob(out)
     for a, b in zip(one["ref_logprobs"], all_["ref_logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -97,7 +101,7 @@ def test_needs_ref_logprobs_follows_the_kl_switches() -> None:
 
 
 @pytest.mark.ray
-def test_ref_logprobs_through_ray_data(ray_session, tiny_checkpoint) -> None:
+def test_ref_logprobs_on_ref_workers(ray_session, tiny_checkpoint) -> None:
     out = _rollouts(tiny_checkpoint, n_prompts=4, n=2)
     local = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), use_ray=False)
     remote = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), num_workers=2, use_ray=True)

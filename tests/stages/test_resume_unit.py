@@ -1,4 +1,4 @@
-"""stages.run.resume over real Delta tables and checkpoint dirs under tmp_path; Ray Data actor retry."""
+"""stages.run.resume over real Delta tables and checkpoint dirs under tmp_path; worker-group retry."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from stages.run.resume import (
     trainer_state,
     write_trainer_state,
 )
+from stages.workers.group import Worker
 
 CI = "configs/ci_tiny.yaml"
 
@@ -148,14 +149,15 @@ def test_remove_partial_deletes_only_tmp_dirs(tmp_path) -> None:
     assert ms.remove_partial() == ["policy_v1.tmp"] and ms.versions() == [0]
 
 
-class DiesOnce:
-    """A stage whose worker process dies (os._exit: no exception, the process is gone) on the first block
-    it sees; module level so stage hosts import it by name (tests.stages.test_resume_unit:DiesOnce)."""
+class DiesOnce(Worker):
+    """A worker whose process dies (os._exit: no exception, the process is gone) on the first block
+    it sees; module level so Ray workers import it by name (tests.stages.test_resume_unit:DiesOnce)."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, rank: int, world: int, threads: int, shape: str = "", *, marker: str) -> None:
+        super().__init__(rank, world, threads, shape)
         self.marker = marker
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+    def run(self, batch: pd.DataFrame) -> pd.DataFrame:
         if not os.path.exists(self.marker):
             open(self.marker, "w").close()
             os._exit(1)
@@ -164,11 +166,15 @@ class DiesOnce:
 
 @pytest.mark.ray
 def test_killed_stage_worker_is_retried_and_the_table_written_once(ray_session, tmp_path) -> None:
-    from stages.workers.tasks import map_with_actor_pool
+    from stages.workers.group import call_with_retry, worker_group
+    from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
 
     marker = tmp_path / "died_once"
     df = pd.DataFrame({"x": range(10)})
-    out = map_with_actor_pool(df, DiesOnce, {"marker": str(marker)}, workers=2, cpus_per_actor=0.5)
+    parts = call_with_retry(lambda: worker_group(DiesOnce, "dies-once", 2, marker=str(marker)),
+                            lambda g: g.call_each(DiesOnce.run, [(b,) for b in split_frame(df, 2)]),
+                            retries=MAX_ACTOR_RESTARTS)
+    out = pd.concat(parts, ignore_index=True)
     assert marker.exists()  # a worker really died
     assert sorted(out["x"]) == list(range(10)) and (out["value"] == out["x"] * 2.0).all()  # each row once
     rows = pd.DataFrame({"policy_version": 0, "metric": [f"x{i}" for i in out["x"]], "value": out["value"]})

@@ -10,10 +10,11 @@ import torch
 
 from configs.schema import ActorConfig, OptimConfig
 from stages.models.policy import load_policy
-from stages.train.actor import make_optimizer, ppo_update
+from stages.train.actor import ppo_update
+from stages.train.optim import make_optimizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers_rollouts import as_trainer_rows, make_rows  # noqa: E402
+from helpers_rollouts import as_trainer_rows, make_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "grpo_tiny.json"
 
@@ -37,12 +38,14 @@ def test_every_parameter_changes_and_metrics_are_finite(tiny_checkpoint) -> None
     unchanged = [k for k, v in model.state_dict().items() if torch.equal(v, before[k])]
     assert unchanged == []
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr"} <= set(m)
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+            "actor/lr"} <= set(m)
 
 
 def test_single_step_is_on_policy(tiny_checkpoint) -> None:
     """One mini-batch, one micro-batch: old_logprobs are the policy's own, so ratio == 1 exactly."""
-    _, _, m = _update(tiny_checkpoint, as_trainer_rows(make_rows(8)), _actor(ppo_mini_batch_size=2, ppo_micro_batch_size=8))
+    actor = _actor(ppo_mini_batch_size=2, ppo_micro_batch_size=8)
+    _, _, m = _update(tiny_checkpoint, as_trainer_rows(make_rows(8)), actor)
     assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
 
 
@@ -80,8 +83,8 @@ def test_losses_match_golden(tiny_checkpoint) -> None:
     golden = json.loads(GOLDEN.read_text())
     got = golden_losses(tiny_checkpoint)
     assert golden["keys"] == list(GOLDEN_KEYS)
-    for step, (g, want) in enumerate(zip(got, golden["metrics"])):
-        assert g == pytest.approx(want, rel=1e-4, abs=1e-7), f"update {step}: {dict(zip(GOLDEN_KEYS, g))}"
+    for step, (g, want) in enumerate(zip(got, golden["metrics"], strict=True)):
+        assert g == pytest.approx(want, rel=1e-4, abs=1e-7), f"update {step}: {dict(zip(GOLDEN_KEYS, g, strict=True))}"
     assert got[0][0] != got[1][0]  # the losses really depend on the evolving weights
 
 
@@ -89,17 +92,17 @@ def test_losses_match_golden(tiny_checkpoint) -> None:
 def test_update_job_divides_logits_by_the_rollout_temperature(rollout_temperature, expected) -> None:
     """verl's actor (and ref) log-probs use rollout.temperature; greedy rollouts (0) mean plain logits."""
     from configs.schema import load_config
-    from stages.run.replay import policy_update_job
+    from stages.update import update_request
 
     cfg = load_config("configs/ci_tiny.yaml", [f"rollout.temperature={rollout_temperature}"])
-    job = policy_update_job(cfg, 3, advantages_uri="/x", advantages_version=1, policy_dir="/p", out_dir="/o")
-    assert job["temperature"] == expected
+    req = update_request(cfg, 3, advantages_uri="/x", advantages_version=1, policy_dir="/p", out_dir="/o")
+    assert req.temperature == expected
 
 
 def test_tempered_logprobs_are_log_softmax_of_scaled_logits(tiny_checkpoint) -> None:
-    from stages.train.batching import pad_rollouts, response_logits
     from stages.models.policy import load_policy
     from stages.train.actor import compute_logprobs
+    from stages.train.batching import pad_rollouts, response_logits
 
     model, tok = load_policy(tiny_checkpoint)
     batch = pad_rollouts([[1, 5, 7], [2, 3]], [[4, 6], [8, 9, 10]], tok.pad_token_id)

@@ -6,8 +6,9 @@ Choices:
 - Micro-batches run through megatron's pipeline schedule (`get_forward_backward_func()`:
   no pipelining for PP = 1, 1F1B otherwise); the schedule divides each micro-batch loss by the
   number of micro-batches, as the torch backend's `(loss / n_micro).backward()` does.
-- Logits are gathered over TP (`parallel_output=False`), so the loss reuses
-  `stages.algos.losses` unchanged on every TP rank of the last stage.
+- Logits are gathered over TP (`parallel_output=False`), so the schedule's loss is the torch backend's
+  `stages.train.ppo_loop.actor_loss`, unchanged, on every TP rank of the last stage; the epochs,
+  mini-batches and optimizer steps are the same `ppo_loop`.
 - Old log-probs are recomputed with the same schedule (forward only) before the first step.
 - Gradients: tied-embedding grads summed over the embedding group (PP > 1), averaged over the
   DP group (DDP semantics), clipped by the global norm over the model-parallel group, counting
@@ -24,16 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from stages.algos.kl import compute_kl_penalty
-from stages.algos.losses import (
-    entropy_from_logits,
-    get_policy_loss_fn,
-    gather_logprobs,
-    masked_mean,
-)
-from stages.train.batching import pad_rollouts, tempered, token_advantages
-from stages.train.actor import ACTOR_GRAD_ERROR, optimizer_step
+from stages.algos.losses import gather_logprobs
+from stages.train.batching import actor_batch, select_rows, tempered
 from stages.train.megatron.convert import tp_partition_dim
+from stages.train.optim import ACTOR_GRAD_ERROR
+from stages.train.ppo_loop import MetricAccumulator, actor_loss, mean_over_workers, ppo_loop
 
 
 def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
@@ -44,10 +40,6 @@ def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
     return ~allowed[:, None]  # (N, 1, T, T)
 
 
-def _slice(batch: dict, idx: Tensor) -> dict:
-    return {k: (v[idx] if isinstance(v, Tensor) else v) for k, v in batch.items()}
-
-
 def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_size: int,
                  forward_only: bool, temperature: float = 1.0) -> list:
     """Run micro-batches (row indices into batch) through megatron's schedule.
@@ -55,9 +47,9 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
     loss_fn(mb, logits (n_mb, L, V)) -> (scalar loss, metrics) is called on the last stage only;
     returns the metrics of every micro-batch there (an empty list on other stages).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415 - megatron-core is an optional extra
 
-    mbs = [_slice(batch, idx) for idx in micro_idx]
+    mbs = [select_rows(batch, idx) for idx in micro_idx]
     p_len, l_len = batch["prompt_len"], batch["responses"].shape[1]
 
     def forward_step(data_iterator, model):
@@ -76,7 +68,7 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
 @torch.no_grad()
 def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int, temperature: float = 1.0) -> Tensor:
     """(N, L) log-probs of the responses on the last stage; zeros elsewhere."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     n = batch["input_ids"].shape[0]
     idx = list(torch.arange(n).split(mb_size))
@@ -90,7 +82,7 @@ def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int, temp
 
 def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, clip: float) -> Tensor:
     """Embedding-group sum, DP average, global-norm clipping of the local grads; returns the norm."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     if tied and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
         dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
@@ -101,7 +93,7 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
         flat /= dp
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(synced)
     tp_rank = ps.get_tensor_model_parallel_rank()
     counted = [p.grad for name, p in named_params
@@ -116,62 +108,24 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
     return norm
 
 
-def _ppo_loss_fn(actor_cfg, add):
-    low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
-    high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
-
-    policy_loss = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
-
-    def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict]:
-        logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
-        pg_loss, m = policy_loss(
-            mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],
-            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
-            loss_agg_mode=actor_cfg.loss_agg_mode)
-        entropy = masked_mean(entropy_from_logits(logits), mb["response_mask"])
-        loss = pg_loss - actor_cfg.entropy_coeff * entropy
-        if actor_cfg.use_kl_loss:
-            kl = masked_mean(compute_kl_penalty(logprobs, mb["ref_logprobs"], actor_cfg.kl_loss_type),
-                             mb["response_mask"])
-            loss = loss + actor_cfg.kl_loss_coef * kl
-            add("actor/kl_loss", float(kl.detach()))
-        for key, value in m.items():
-            add(key, value)
-        add("actor/entropy", float(entropy.detach()))
-        return loss, m
-
-    return loss_fn
-
-
 def _prepare_batch(rows: dict, actor_cfg, pad_id: int) -> dict:
-    batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
+    """The torch backend's batch (stages.train.batching.actor_batch) plus megatron's 4-D attention mask."""
+    batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss)
     batch["mask4d"] = megatron_attention_mask(batch["attention_mask"])  # (N, 1, T, T)
-    batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
-    if actor_cfg.use_kl_loss:
-        if "ref_logprobs" not in rows:
-            raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
-                             "reference log-prob stage or set actor.use_kl_loss=False.")
-        batch["ref_logprobs"] = torch.zeros_like(batch["response_mask"])  # (N, L)
-        for i, r in enumerate(rows["ref_logprobs"]):
-            batch["ref_logprobs"][i, :len(r)] = torch.as_tensor(r, dtype=torch.float32)
     return batch
 
 
-def _reduce_metrics(sums: dict, counts: dict, dp: int) -> dict[str, float]:
+def _reduce_metrics(acc: MetricAccumulator, dp: int) -> dict[str, float]:
     """Means over micro-batches; loss metrics come from the last stage; averaged over DP."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
-    metrics = {k: sums[k] / counts[k] for k in sorted(sums)}
+    metrics = acc.means()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         box = [metrics]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         metrics = {**box[0], **{k: metrics[k] for k in ("actor/grad_norm", "actor/lr") if k in metrics}}
-    if dp > 1:
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        metrics = {k: float(v) / dp for k, v in zip(keys, t)}
+    metrics = mean_over_workers(metrics, dp, group=ps.get_data_parallel_group())
     return dict(sorted(metrics.items()))
 
 
@@ -184,7 +138,7 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
     TP/PP rank of a replica); micro_batch_size rollouts per pipeline micro-batch.
     Returns: the torch backend's metric keys, equal on every rank.
     """
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     dp = ps.get_data_parallel_world_size()
     batch = _prepare_batch(rows, actor_cfg, pad_id)
@@ -197,25 +151,20 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
         raise ValueError(f"{n} rollouts per DP rank must split into mini-batches of {per_worker_mini} and those "
                          f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
                          "set actor.megatron.micro_batch_size to a divisor.")
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    metrics = MetricAccumulator()
 
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value
-        counts[key] = counts.get(key, 0) + 1
+    def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict[str, float]]:
+        loss, m = actor_loss(logits, mb, actor_cfg)  # called on the last pipeline stage only
+        metrics.add_all(m)
+        return loss, m
 
-    loss_fn = _ppo_loss_fn(actor_cfg, add)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(actor_cfg.ppo_epochs):
-        order = torch.randperm(n, generator=gen)
-        for m0 in range(0, n, per_worker_mini):
-            micro = list(order[m0:m0 + per_worker_mini].split(micro_batch_size))
-            run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False,
-                         temperature=temperature)
-            grad_norm = finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip)
-            optimizer_step(optimizer, scheduler, grad_norm, add, prefix="actor", error=ACTOR_GRAD_ERROR)
+    ppo_loop(n, mini_batch_size=per_worker_mini, micro_batch_size=micro_batch_size, epochs=actor_cfg.ppo_epochs,
+             seed=seed, backward=lambda micro: run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size,
+                                                            forward_only=False, temperature=temperature),
+             finish_grads=lambda: finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip),
+             optimizer=optimizer, scheduler=scheduler, metrics=metrics, prefix="actor", error=ACTOR_GRAD_ERROR)
     model.eval()
-    metrics = _reduce_metrics(sums, counts, dp)
-    metrics["actor/num_rollouts"] = float(n * dp)
-    return metrics
+    out = _reduce_metrics(metrics, dp)
+    out["actor/num_rollouts"] = float(n * dp)
+    return out

@@ -1,0 +1,234 @@
+"""ActorWorker: one rank of the policy trainer (verl: `update_actor`), torch or Megatron-Core backend.
+
+stages.update runs `ActorWorker.update(request)` on every rank of the run's "actor" group (one gloo
+process group over actor.num_workers Ray actors). Each rank reads its share of the iteration's rows
+from the advantages Delta table at the recorded version (`read_rows`), runs one PPO update, and rank 0
+writes the new HF checkpoint with optimizer state, update metrics and a checkpoint id into
+request.out_dir, atomically.
+
+- torch (actor.strategy='torch'): `stages.train.actor.ppo_update`, DDP over the group. The rank keeps
+  the policy, optimizer, scheduler and tokenizer it just wrote (`self.resident`); the next update skips
+  the load when its input checkpoint is that one (same directory, same checkpoint id) and loads from
+  disk otherwise (a re-materialized or replayed iteration, a resumed run). Either way the update is the
+  same function of the checkpoint on disk.
+- megatron (actor.strategy='megatron'): the ranks form a TP x PP x DP grid (TP fastest, then DP, then
+  PP); every rank loads the HF checkpoint, keeps its shard, runs `megatron_ppo_update`, and rank 0
+  gathers DP replica 0's shards back into an HF checkpoint with the optimizer state in the torch
+  backend's format, so the next iteration may use either backend. Nothing stays resident.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from configs.schema import OptimConfig
+from stages import seeds
+from stages.io.checkpoints import CHECKPOINT_ID, atomic_dir, checkpoint_id, save_optimizer_state
+from stages.io.store import read_partition
+from stages.models.policy import load_policy, save_policy
+from stages.train.actor import ppo_update
+from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
+from stages.train.megatron.cpu_patches import apply_cpu_patches
+from stages.train.megatron.model import build_gpt_model, hf_arch
+from stages.train.megatron.ppo import megatron_ppo_update
+from stages.train.megatron.state import (
+    export_optimizer_state,
+    gather_to_rank0,
+    import_optimizer_state,
+    model_parallel_ranks,
+)
+from stages.train.optim import make_optimizer, restore_optimizer
+from stages.workers.group import Worker
+from stages.workers.requests import UpdateRequest
+
+METRICS_FILE = "update_metrics.json"
+"""The update's metrics beside the checkpoint it wrote (iteration_metrics and replay read them)."""
+
+
+def shard_for_rank(n: int, mini: int, rank: int, world: int) -> list[int]:
+    """Indices of this rank's rows: the rank-th contiguous slice of every mini-batch of `mini` rows."""
+    per = mini // world
+    return [m + rank * per + j for m in range(0, n, mini) for j in range(per)]
+
+
+def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
+    """This (data-parallel) rank's rows of the iteration, as ppo_update takes them."""
+    df = read_partition(req.advantages_uri, req.run_id, req.iteration, version=req.advantages_version)
+    df = df.sort_values("rollout_id").reset_index(drop=True)
+    part = df.iloc[shard_for_rank(len(df), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
+    rows = {"prompt_token_ids": [list(x) for x in part["prompt_token_ids"]],
+            "response_token_ids": [list(x) for x in part["response_token_ids"]],
+            "advantages": torch.tensor(part["advantage"].to_numpy(), dtype=torch.float32)}
+    for column in ("token_advantages", "ref_logprobs"):
+        if column in part.columns:
+            rows[column] = [list(x) for x in part[column]]
+    return rows
+
+
+def write_checkpoint(out_dir: str | Path, model, tok, optimizer_state: dict, scheduler_state: dict,
+                     metrics: dict, ckpt_id: str) -> None:
+    """HF model + optimizer state + metrics + checkpoint id, atomically: the directory is complete or absent."""
+    with atomic_dir(out_dir) as tmp:
+        save_policy(model, tok, tmp)
+        save_optimizer_state(tmp, optimizer_state, scheduler_state)
+        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        (tmp / CHECKPOINT_ID).write_text(ckpt_id)
+
+
+@dataclass
+class ResidentPolicy:
+    """A policy, its optimizer and scheduler and tokenizer, and the checkpoint they equal."""
+
+    ckpt_dir: str
+    ckpt_id: str | None
+    optim: OptimConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: Any
+
+    def holds(self, policy_dir: str, optim: OptimConfig) -> bool:
+        """Whether this is the checkpoint at policy_dir (written by this rank, not rewritten since)."""
+        want = checkpoint_id(policy_dir)
+        return (self.ckpt_dir == str(Path(policy_dir).resolve()) and want is not None and self.ckpt_id == want
+                and self.optim == optim)
+
+
+def load_resident(policy_dir: str, optim: OptimConfig) -> ResidentPolicy:
+    """The policy at policy_dir with a fresh optimizer holding the optimizer state stored beside it."""
+    model, tok = load_policy(policy_dir)
+    opt, sched = make_optimizer(model, optim)
+    restore_optimizer(opt, sched, policy_dir)
+    return ResidentPolicy(str(Path(policy_dir).resolve()), checkpoint_id(policy_dir), optim, model, opt, sched, tok)
+
+
+class ActorWorker(Worker):
+    """One trainer rank; `strategy` (actor.strategy) picks the backend for the group's lifetime."""
+
+    def __init__(self, rank: int, world: int, threads: int, shape: str = "", *, strategy: str = "torch") -> None:
+        super().__init__(rank, world, threads, shape)
+        self.strategy = strategy
+        self.resident: ResidentPolicy | None = None
+
+    def update(self, req: UpdateRequest) -> dict[str, float]:
+        """One PPO update of req.policy_dir on this rank's rows; rank 0 writes req.out_dir. Returns this
+        rank's metrics (equal on every rank: they are averaged over the group)."""
+        if req.actor.strategy != self.strategy:
+            raise ValueError(f"an actor.strategy='{req.actor.strategy}' update reached a '{self.strategy}' "
+                             "ActorWorker; build the actor group with strategy=req.actor.strategy")
+        if self.strategy == "megatron":
+            return megatron_update(req)
+        return self._torch_update(req)
+
+    def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
+        torch.manual_seed(seeds.update_rank(req.seed, self.rank))
+        t0 = time.perf_counter()
+        res = self.resident if self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim) \
+            else None
+        self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
+        from_disk = res is None
+        if res is None:
+            res = load_resident(req.policy_dir, req.actor.optim)
+        ddp = DistributedDataParallel(res.model) if self.world > 1 else None
+        rows = read_rows(req, self.rank, self.world)
+        t_load = time.perf_counter() - t0
+        metrics = ppo_update(res.model, res.optimizer, res.scheduler, rows, req.actor, n_per_prompt=req.n_per_prompt,
+                             pad_id=res.tokenizer.pad_token_id, seed=req.seed, ddp_model=ddp,
+                             temperature=req.temperature)
+        metrics["timing_s/update_load"] = t_load
+        metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
+        metrics["actor/weights_loaded_from_disk"] = float(from_disk)
+        if self.rank == 0:
+            write_checkpoint(req.out_dir, res.model, res.tokenizer, res.optimizer.state_dict(),
+                             res.scheduler.state_dict(), metrics, req.checkpoint_id)
+        if self.world > 1:
+            dist.barrier()  # every rank sees the checkpoint before keeping its state resident
+        res.ckpt_dir, res.ckpt_id = str(Path(req.out_dir).resolve()), req.checkpoint_id
+        self.resident = res
+        return metrics
+
+
+def _ensure_process_group() -> bool:
+    """A one-process gloo group when none exists (megatron's parallel_state needs one)."""
+    if dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
+
+
+def megatron_update(req: UpdateRequest) -> dict[str, float]:
+    """The Megatron backend of ActorWorker.update on this rank (a one-process group when there is none)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
+
+    apply_cpu_patches()
+    own_group = _ensure_process_group()
+    tp = req.actor.megatron.tensor_model_parallel_size
+    pp = req.actor.megatron.pipeline_model_parallel_size
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"{world} workers cannot form a TP x PP grid of {tp} x {pp}; "
+                         "set actor.num_workers to a multiple of their product.")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    try:
+        return _megatron_update_grid(req, tp, pp)
+    finally:
+        ps.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _megatron_load(req: UpdateRequest, tp: int, pp: int):
+    """(hf_model, tokenizer, arch, this rank's GPTModel shard, optimizer, scheduler, HF parameter names)."""
+    from megatron.core.tensor_parallel import (  # noqa: PLC0415 - megatron-core is an optional extra
+        model_parallel_cuda_manual_seed,
+    )
+
+    model_parallel_cuda_manual_seed(req.seed)
+    torch.manual_seed(seeds.update_rank(req.seed, dist.get_rank()))
+    hf_model, tok = load_policy(req.policy_dir)
+    arch = hf_arch(hf_model.config)
+    model = build_gpt_model(arch, tp, pp)
+    tp_rank, pp_rank = model_parallel_ranks()
+    model.load_state_dict(hf_to_megatron(hf_model.state_dict(), arch, tp=tp, pp=pp, tp_rank=tp_rank,
+                                         pp_rank=pp_rank), strict=True)
+    hf_names = [n for n, _ in hf_model.named_parameters()]
+    opt, sched = make_optimizer(model, req.actor.optim)
+    restore_optimizer(opt, sched, req.policy_dir, load=lambda o, state: import_optimizer_state(
+        o, model, state, arch, hf_names, tp=tp, pp=pp))
+    return hf_model, tok, arch, model, opt, sched, hf_names
+
+
+def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int) -> dict[str, float]:
+    """Load, update this rank's shard on its data-parallel rows, and write the gathered checkpoint (rank 0)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
+
+    t0 = time.perf_counter()
+    hf_model, tok, arch, model, opt, sched, hf_names = _megatron_load(req, tp, pp)
+    rows = read_rows(req, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    t_load = time.perf_counter() - t0
+    metrics = megatron_ppo_update(
+        model, opt, sched, rows, req.actor, vocab_size=arch.vocab_size, tied=arch.tied,
+        n_per_prompt=req.n_per_prompt, pad_id=tok.pad_token_id, seed=req.seed,
+        micro_batch_size=req.actor.megatron.micro_batch_size or req.actor.ppo_micro_batch_size,
+        temperature=req.temperature)
+    metrics["timing_s/update_load"] = t_load
+    metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
+    metrics["actor/weights_loaded_from_disk"] = 1.0  # megatron shards are rebuilt from the HF checkpoint
+    shards = gather_to_rank0({n: p.detach() for n, p in model.named_parameters()})
+    opt_state = export_optimizer_state(opt, model, arch, hf_names, tp=tp, pp=pp)
+    if dist.get_rank() == 0:
+        hf_model.load_state_dict(megatron_to_hf(shards, arch, tp=tp, pp=pp), strict=True)
+        write_checkpoint(req.out_dir, hf_model, tok, opt_state, sched.state_dict(), metrics, req.checkpoint_id)
+    return metrics

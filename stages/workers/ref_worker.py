@@ -1,0 +1,48 @@
+"""RefWorker: the reference policy, loaded once per run, and its per-token log-probs of rollouts.
+
+The math is the trainer's old-log-prob recomputation (stages.train.batching.pad_rollouts +
+response_logits, stages.algos.losses.gather_logprobs, micro-batched) at the same temperature, so at
+iteration 0 the reference log-probs equal the trainer's old log-probs and the rollout engine's.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from stages.algos.losses import gather_logprobs
+from stages.models.policy import load_policy
+from stages.train.batching import pad_rollouts, response_logits
+from stages.workers.group import Worker
+
+
+class RefWorker(Worker):
+    """model_dir: the reference checkpoint (policy version ref_policy_version); micro_batch_size rollouts
+    per forward; temperature divides the logits (the rollout's sampling temperature, as verl's ref)."""
+
+    def __init__(self, rank: int, world: int, threads: int, shape: str = "", *, model_dir: str,
+                 ref_policy_version: int, micro_batch_size: int = 64, temperature: float = 1.0) -> None:
+        super().__init__(rank, world, threads, shape)
+        self.model, tok = load_policy(model_dir)
+        self.model.eval()
+        self.pad_id = tok.pad_token_id
+        self.micro_batch_size = micro_batch_size
+        self.ref_policy_version = ref_policy_version
+        self.temperature = temperature
+
+    def compute_ref_log_prob(self, batch: pd.DataFrame) -> pd.DataFrame:
+        """Rows (rollout_id, policy_version, ref_policy_version, ref_logprobs) of the batch's rollouts, in its
+        order; ref_logprobs holds one float per response token."""
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for s in range(0, len(batch), self.micro_batch_size):
+                part = batch.iloc[s:s + self.micro_batch_size]
+                prompts = [list(map(int, p)) for p in part["prompt_token_ids"]]
+                responses = [list(map(int, r)) for r in part["response_token_ids"]]
+                padded = pad_rollouts(prompts, responses, self.pad_id)
+                logits = response_logits(self.model, padded, self.temperature)  # (n, L, V)
+                logprobs = gather_logprobs(logits, padded["responses"])  # (n, L)
+                out.extend(logprobs[i, :len(r)].tolist() for i, r in enumerate(responses))
+        return pd.DataFrame({"rollout_id": batch["rollout_id"].to_numpy(),
+                             "policy_version": batch["policy_version"].to_numpy(),
+                             "ref_policy_version": self.ref_policy_version, "ref_logprobs": out})

@@ -1,0 +1,55 @@
+"""What the stages send to the workers: frozen dataclasses, built in the driver, pickled to every rank.
+
+A request names its inputs by storage location (a Delta table at a version, a checkpoint directory),
+never by a live object, so a replay or a retried call reads exactly what the first attempt read.
+`stages.update.update_request` is the one place an UpdateRequest is built from the run config (the
+policy_checkpoint asset and `rlake replay` both use it); `stages.critic_update.critic_update_request`
+builds the critic's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from configs.schema import ActorConfig, CriticConfig
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """One policy update (verl: `update_actor`): iteration `iteration`'s rows of the advantages table at
+    `advantages_version`, applied to the checkpoint `policy_dir`, written to `out_dir`."""
+
+    run_id: str
+    iteration: int
+    advantages_uri: str
+    advantages_version: int
+    policy_dir: str
+    """The input checkpoint: policy version `iteration` (HF format, optimizer state beside it from v1 on)."""
+    out_dir: str
+    """Where rank 0 writes the new checkpoint (policy version iteration + 1), atomically."""
+    actor: ActorConfig
+    n_per_prompt: int
+    """rollout.n: a mini-batch of actor.ppo_mini_batch_size prompts holds this many rollouts per prompt."""
+    seed: int
+    """stages.seeds.update(cfg.seed, iteration): mini-batch order and the ranks' torch RNG."""
+    temperature: float = 1.0
+    """Logits are divided by it for old/new log-probs and the entropy (stages.train.batching.logprob_temperature)."""
+    checkpoint_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Written beside the new checkpoint; a rank holding it resident skips the next load."""
+    threads_per_worker: int | None = None
+    """torch threads of each rank; None: the Ray cluster's CPUs split over actor.num_workers ranks."""
+
+
+@dataclass(frozen=True)
+class CriticUpdateRequest:
+    """One critic update (verl: `update_critic`): critic version `iteration` at `critic_dir` trained towards
+    the iteration's GAE returns, written as version iteration + 1 to `out_dir`."""
+
+    iteration: int
+    critic_dir: str
+    out_dir: str
+    critic: CriticConfig
+    n_per_prompt: int
+    seed: int
+    """stages.seeds.update(cfg.seed, iteration), as the policy update's."""
