@@ -1,4 +1,5 @@
 """Shared pieces of the assets: partitions, groups, lineage metadata, recorded upstream reads."""
+
 from __future__ import annotations
 
 import time
@@ -19,13 +20,17 @@ TRAIN = "TRAIN"
 EVAL = "EVAL"
 
 
-def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, int | None],
-            duration_s: float) -> dict:
+def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, int | None], duration_s: float) -> dict:
     """Commit metadata every table write carries (run id, iteration and code version are added by the store)."""
     sources = {t: getattr(v, "source", "newest") for t, v in upstream.items()}
-    return {"stage": stage, "policy_version": str(policy_version), "config_hash": cfg.config_hash(),
-            "upstream": {t: None if v is None else int(v) for t, v in upstream.items()},
-            "upstream_version_source": sources, "duration_s": f"{duration_s:.3f}"}
+    return {
+        "stage": stage,
+        "policy_version": str(policy_version),
+        "config_hash": cfg.config_hash(),
+        "upstream": {t: None if v is None else int(v) for t, v in upstream.items()},
+        "upstream_version_source": sources,
+        "duration_s": f"{duration_s:.3f}",
+    }
 
 
 class UpstreamVersion(int):
@@ -40,8 +45,9 @@ class UpstreamVersion(int):
         return obj
 
 
-def recorded_version(instance: dg.DagsterInstance, uri: str, table: str, run_id: str, iteration: int,
-                     *, lookback: int = 20) -> int | None:
+def recorded_version(
+    instance: dg.DagsterInstance, uri: str, table: str, run_id: str, iteration: int, *, lookback: int = 20
+) -> int | None:
     """The Delta version of `table` that the upstream asset's latest materialization of this iteration's
     partition recorded ("delta_version" metadata), checked against the commit's own lineage (same run,
     same iteration), so materializations of another rlake run or another output_dir are skipped.
@@ -50,7 +56,8 @@ def recorded_version(instance: dg.DagsterInstance, uri: str, table: str, run_id:
         return None
     partitions = None if iteration == PROMPTS_ITERATION else [str(iteration)]
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(table), asset_partitions=partitions), limit=lookback).records
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(table), asset_partitions=partitions), limit=lookback
+    ).records
     commits = {c["version"]: c for c in store.commit_lineage(uri, run_id=run_id, iteration=iteration)}
     for rec in records:  # newest first
         meta = rec.asset_materialization.metadata if rec.asset_materialization else {}
@@ -60,18 +67,49 @@ def recorded_version(instance: dg.DagsterInstance, uri: str, table: str, run_id:
     return None
 
 
-def read_recorded(context, rollout_store, table: str, run_id: str, iteration: int) -> tuple[pd.DataFrame, UpstreamVersion]:
+def read_recorded(
+    context, rollout_store, table: str, run_id: str, iteration: int
+) -> tuple[pd.DataFrame, UpstreamVersion]:
     """Read an upstream partition at the version its asset's latest materialization recorded, falling back
     to the table's newest version (source "newest") for tables written outside Dagster."""
     uri = rollout_store.uri(table)
     version = recorded_version(context.instance, uri, table, run_id, iteration)
     if version is None:
         df, newest = rollout_store.read(table, run_id, iteration)
-        context.log.warning(f"no Dagster materialization of '{table}' records a version "
-                            f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}")
+        context.log.warning(
+            f"no Dagster materialization of '{table}' records a version "
+            f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}"
+        )
         return df, UpstreamVersion(newest, "newest")
     df, _ = rollout_store.read(table, run_id, iteration, version=version)
     return df, UpstreamVersion(version, "dagster")
+
+
+def read_if(
+    needed: bool, context, rollout_store, table: str, run_id: str, iteration: int
+) -> tuple[pd.DataFrame | None, UpstreamVersion | None]:
+    """read_recorded when the run uses `table` (e.g. `values` only with a critic), else (None, None)."""
+    return read_recorded(context, rollout_store, table, run_id, iteration) if needed else (None, None)
+
+
+def write_table(
+    rollout_store,
+    cfg,
+    table: str,
+    df: pd.DataFrame,
+    iteration: int,
+    *,
+    policy_version: int | None,
+    upstream: dict,
+    duration_s: float = 0.0,
+    stage: str | None = None,
+) -> int:
+    """Write a stage's partition of `table` with its lineage (stage: the asset, named like the table unless
+    given); returns the new Delta version. Upstream entries that are None (tables the run does not use) are
+    left out."""
+    upstream = {k: v for k, v in upstream.items() if v is not None}
+    meta = lineage(cfg, stage=stage or table, policy_version=policy_version, upstream=upstream, duration_s=duration_s)
+    return rollout_store.write(table, df, run_id=cfg.run_id, iteration=iteration, lineage=meta)
 
 
 def train_prompt_count(rollout_store, run_id: str) -> int:

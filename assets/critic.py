@@ -16,10 +16,19 @@ from stages.train.critic import prune_critics, require_critic
 from stages.values import rollout_values
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=upstream("values"),
-          check_specs=[dg.AssetCheckSpec("values_finite", asset="values", blocking=True)])
-def values(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
-           model_store: ModelStoreResource) -> dg.MaterializeResult:
+@dg.asset(
+    partitions_def=iterations,
+    group_name=TRAIN,
+    kinds={"pytorch", "delta"},
+    deps=upstream("values"),
+    check_specs=[dg.AssetCheckSpec("values_finite", asset="values", blocking=True)],
+)
+def values(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+) -> dg.MaterializeResult:
     """Per-token values of the rollouts' responses under critic version == iteration (GAE's baseline)."""
     cfg, it = run_config.load(), int(context.partition_key)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
@@ -27,27 +36,56 @@ def values(context: dg.AssetExecutionContext, run_config: RunConfigResource, rol
     with timed() as t:
         critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"values of iteration {it}")
         vals = rollout_values(cfg, df, critic_dir, it)
-    v = rollout_store.write("values", vals, run_id=cfg.run_id, iteration=it, lineage=lineage(
-        cfg, stage="values", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
+    v = rollout_store.write(
+        "values",
+        vals,
+        run_id=cfg.run_id,
+        iteration=it,
+        lineage=lineage(cfg, stage="values", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]),
+    )
     flat = np.concatenate([np.asarray(x, dtype=np.float64) for x in vals["values"]] + [np.zeros(0)])
     bad = int((~np.isfinite(flat)).sum())  # a NaN value would turn every GAE advantage of the batch into NaN
-    return dg.MaterializeResult(metadata={"delta_version": v, "critic_version": it, "rollouts": len(vals),
-                                          "values_mean": float(np.nanmean(flat)) if flat.size else 0.0, "path": str(critic_dir)},
-                                check_results=[dg.AssetCheckResult(check_name="values_finite", passed=bad == 0,
-                                                                   metadata={"non_finite": bad})])
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": v,
+            "critic_version": it,
+            "rollouts": len(vals),
+            "values_mean": float(np.nanmean(flat)) if flat.size else 0.0,
+            "path": str(critic_dir),
+        },
+        check_results=[dg.AssetCheckResult(check_name="values_finite", passed=bad == 0, metadata={"non_finite": bad})],
+    )
 
 
 @dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch"}, deps=upstream("critic_checkpoint"))
-def critic_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
-                      model_store: ModelStoreResource) -> dg.MaterializeResult:
+def critic_checkpoint(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+) -> dg.MaterializeResult:
     """Critic update (clipped value loss towards the GAE returns); writes critic version iteration+1."""
     cfg, it = run_config.load(), int(context.partition_key)
     adv, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     vals, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     out = ms.critic_dir(it + 1)
-    metrics = train_critic(cfg, it, adv, vals, out_dir=out, critic_dir=require_critic(
-        ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"))
+    metrics = train_critic(
+        cfg,
+        it,
+        adv,
+        vals,
+        out_dir=out,
+        critic_dir=require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"),
+    )
     pruned = prune_critics(ms, cfg.trainer.save_freq, latest=it + 1)
-    return dg.MaterializeResult(metadata={**metrics, "critic_version": it + 1, "path": str(out), "pruned_versions": pruned,
-                                          "advantages_version": int(adv_version), "values_version": int(values_version)})
+    return dg.MaterializeResult(
+        metadata={
+            **metrics,
+            "critic_version": it + 1,
+            "path": str(out),
+            "pruned_versions": pruned,
+            "advantages_version": int(adv_version),
+            "values_version": int(values_version),
+        }
+    )

@@ -4,14 +4,13 @@ import dagster as dg
 import pandas as pd
 
 from assets.common import DATA, TRAIN, lineage, read_recorded, timed
-from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
-                              TrackerResource)
+from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
 from stages.dag import upstream
 from stages.evaluate import validation_rollouts, validation_summary
-from stages.prompts import build_prompt_rows
-from stages.models.policy import load_tokenizer
 from stages.initial_policy import create_initial_policy
 from stages.io.tables import PROMPTS_ITERATION
+from stages.models.policy import load_tokenizer
+from stages.prompts import build_prompt_rows
 from stages.run.resume import save_trainer_state
 
 
@@ -21,16 +20,34 @@ def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) 
     cfg = run_config.load()
     with timed() as t:
         df = build_prompt_rows(cfg)
-    version = rollout_store.write("prompts", df, run_id=cfg.run_id, iteration=PROMPTS_ITERATION,
-                                  lineage=lineage(cfg, stage="prompts", policy_version=None, upstream={}, duration_s=t["s"]))
+    version = rollout_store.write(
+        "prompts",
+        df,
+        run_id=cfg.run_id,
+        iteration=PROMPTS_ITERATION,
+        lineage=lineage(cfg, stage="prompts", policy_version=None, upstream={}, duration_s=t["s"]),
+    )
     counts = df["split"].value_counts().to_dict()
-    return dg.MaterializeResult(metadata={"delta_version": version, "rows": len(df), "train": counts.get("train", 0),
-                                          "val": counts.get("val", 0), "data_sources": sorted(df["data_source"].unique())})
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": version,
+            "rows": len(df),
+            "train": counts.get("train", 0),
+            "val": counts.get("val", 0),
+            "data_sources": sorted(df["data_source"].unique()),
+        }
+    )
 
 
 @dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=upstream("initial_policy"))
-def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource, model_store: ModelStoreResource,
-                   ray: RayResource, tracker: TrackerResource) -> dg.MaterializeResult:
+def initial_policy(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+    ray: RayResource,
+    tracker: TrackerResource,
+) -> dg.MaterializeResult:
     """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training, and its
     trainer_state.json (stages.run.resume)."""
     cfg = run_config.load()
@@ -43,11 +60,21 @@ def initial_policy(context: dg.AssetExecutionContext, run_config: RunConfigResou
     val = validation_summary(scored, cfg.rollout.n)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)
     tracker.log_metrics(mlflow_id, val, step=0)
-    write_lineage = lineage(cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0)
+    write_lineage = lineage(
+        cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0
+    )
     metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})
-    version = rollout_store.write("iteration_metrics", metrics, run_id=cfg.run_id, iteration=PROMPTS_ITERATION,
-                                  lineage=write_lineage)
-    tracker.log_iteration(mlflow_id, rollout_store.root, cfg.run_id, PROMPTS_ITERATION, metrics_version=version,
-                          policy_version=0, validation=scored)
+    version = rollout_store.write(
+        "iteration_metrics", metrics, run_id=cfg.run_id, iteration=PROMPTS_ITERATION, lineage=write_lineage
+    )
+    tracker.log_iteration(
+        mlflow_id,
+        rollout_store.root,
+        cfg.run_id,
+        PROMPTS_ITERATION,
+        metrics_version=version,
+        policy_version=0,
+        validation=scored,
+    )
     save_trainer_state(cfg, out, 0, int((rows["split"] == "train").sum()))
     return dg.MaterializeResult(metadata={**meta, **val, "path": str(out), "metrics_delta_version": version})

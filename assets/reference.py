@@ -9,10 +9,16 @@ from stages.dag import upstream
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "pytorch", "delta"},
-          deps=upstream("ref_logprobs"))
-def ref_logprobs(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
-                 model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
+@dg.asset(
+    partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "pytorch", "delta"}, deps=upstream("ref_logprobs")
+)
+def ref_logprobs(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+    ray: RayResource,
+) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the reference policy (policy version 0)."""
     cfg, it = run_config.load(), int(context.partition_key)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
@@ -20,9 +26,28 @@ def ref_logprobs(context: dg.AssetExecutionContext, run_config: RunConfigResourc
     ray.ensure()
     with timed() as t:
         out = reference_logprobs(cfg, df, ref_dir)
-    v = rollout_store.write("ref_logprobs", out, run_id=cfg.run_id, iteration=it, lineage=lineage(
-        cfg, stage="ref_logprobs", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
-    log_ratio = np.concatenate([np.asarray(a) - np.asarray(b) for a, b in zip(df.sort_values("rollout_id")["rollout_logprobs"],
-                                                                              out["ref_logprobs"], strict=True)] or [np.zeros(0)])
-    return dg.MaterializeResult(metadata={"delta_version": v, "rollouts": len(out), "ref_policy_version": REF_POLICY_VERSION,
-                                          "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0, "ref_s": t["s"]})
+    v = rollout_store.write(
+        "ref_logprobs",
+        out,
+        run_id=cfg.run_id,
+        iteration=it,
+        lineage=lineage(
+            cfg, stage="ref_logprobs", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
+        ),
+    )
+    log_ratio = np.concatenate(
+        [
+            np.asarray(a) - np.asarray(b)
+            for a, b in zip(df.sort_values("rollout_id")["rollout_logprobs"], out["ref_logprobs"], strict=True)
+        ]
+        or [np.zeros(0)]
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": v,
+            "rollouts": len(out),
+            "ref_policy_version": REF_POLICY_VERSION,
+            "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0,
+            "ref_s": t["s"],
+        }
+    )

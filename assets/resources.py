@@ -19,8 +19,14 @@ from mlflow.tracking import MlflowClient
 from configs.schema import RunConfig
 from stages.io import store
 from stages.io.checkpoints import ModelStore
-from stages.io.tracking import (END_STATUSES, code_tags, log_lineage, log_validation_figure, log_validation_samples,
-                                set_status)
+from stages.io.tracking import (
+    END_STATUSES,
+    code_tags,
+    log_lineage,
+    log_validation_figure,
+    log_validation_samples,
+    set_status,
+)
 from stages.workers.group import ensure_ray
 
 _PARSED: dict[str, RunConfig] = {}
@@ -74,8 +80,9 @@ class RolloutStoreResource(dg.ConfigurableResource):
     def write(self, table: str, df: pd.DataFrame, *, run_id: str, iteration: int, lineage: dict[str, Any]) -> int:
         return store.write_partition(self.uri(table), table, df, run_id=run_id, iteration=iteration, lineage=lineage)
 
-    def read(self, table: str, run_id: str, iteration: int, *, version: int | None = None,
-             columns: list[str] | None = None) -> tuple[pd.DataFrame, int]:
+    def read(
+        self, table: str, run_id: str, iteration: int, *, version: int | None = None, columns: list[str] | None = None
+    ) -> tuple[pd.DataFrame, int]:
         """(rows, table version read); `columns`: only those."""
         uri = self.uri(table)
         version = store.table_version(uri) if version is None and store.table_exists(uri) else version
@@ -112,8 +119,11 @@ class TrackerResource(dg.ConfigurableResource):
         exp = client.get_experiment_by_name(self.experiment_name)
         if exp is None and not create_experiment:
             return None, None
-        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment_name,
-                                                                         artifact_location=self.artifact_root)
+        exp_id = (
+            exp.experiment_id
+            if exp
+            else client.create_experiment(self.experiment_name, artifact_location=self.artifact_root)
+        )
         found = client.search_runs([exp_id], filter_string=f"tags.`rlake.run_id` = '{run_id}'", max_results=1)
         return exp_id, (found[0] if found else None)
 
@@ -137,8 +147,10 @@ class TrackerResource(dg.ConfigurableResource):
             flat = pd.json_normalize(cfg.model_dump(mode="json"), sep=".").iloc[0].to_dict()
             params = [(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in sorted(flat.items())]
             for i in range(0, len(params), 100):
-                client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in params[i:i + 100]])
-            client.log_text(run.info.run_id, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
+                client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in params[i : i + 100]])
+            client.log_text(
+                run.info.run_id, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml"
+            )
             client.set_tag(run.info.run_id, "rlake.config_hash", cfg.config_hash())
         return run.info.run_id
 
@@ -147,17 +159,27 @@ class TrackerResource(dg.ConfigurableResource):
         items = [Metric(k.replace("@", "_at_"), float(v), now, step) for k, v in sorted(metrics.items())]
         client = self._client()
         for i in range(0, len(items), 500):
-            client.log_batch(mlflow_run_id, metrics=items[i:i + 500])
+            client.log_batch(mlflow_run_id, metrics=items[i : i + 500])
 
-    def log_iteration(self, mlflow_run_id: str, tables_root: str, run_id: str, iteration: int, *, metrics_version: int,
-                      policy_version: int, validation: dict[str, pd.DataFrame] | None = None) -> None:
+    def log_iteration(
+        self,
+        mlflow_run_id: str,
+        tables_root: str,
+        run_id: str,
+        iteration: int,
+        *,
+        metrics_version: int,
+        policy_version: int,
+        validation: dict[str, pd.DataFrame] | None = None,
+    ) -> None:
         """After the iteration's iteration_metrics write: its Delta table versions as dataset inputs and,
         when it validated, samples/val_step_<policy_version>.json (stages.io.tracking)."""
         client = self._client()
         log_lineage(client, mlflow_run_id, tables_root, run_id, iteration, metrics_version=metrics_version)
         if validation is not None:
-            log_validation_samples(client, mlflow_run_id, validation, policy_version=policy_version,
-                                   metrics_version=metrics_version)
+            log_validation_samples(
+                client, mlflow_run_id, validation, policy_version=policy_version, metrics_version=metrics_version
+            )
 
     def end_run(self, rlake_run_id: str, status: str, *, tables_root: str | None = None) -> str | None:
         """End the MLflow run of rlake run `rlake_run_id` with status FINISHED, FAILED or KILLED; with

@@ -3,63 +3,99 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_recorded, timed
+from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_if, read_recorded, timed, write_table
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
-from stages.advantage import compute_advantage_table, drop_flagged_rollouts, kl_coef_for_iteration, uses_adaptive_kl
+from stages.advantage import iteration_advantages, uses_adaptive_kl
 from stages.dag import upstream, uses_critic, uses_reference
-from stages.filter_groups import select_training_groups
 from stages.reward import score_rollouts
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=upstream("scored_rollouts"),
-          check_specs=[dg.AssetCheckSpec("rewards_finite", asset="scored_rollouts", blocking=True)])
-def scored_rollouts(context: dg.AssetExecutionContext, run_config: RunConfigResource,
-                    rollout_store: RolloutStoreResource, ray: RayResource) -> dg.MaterializeResult:
+@dg.asset(
+    partitions_def=iterations,
+    group_name=ROLLOUT,
+    kinds={"ray", "delta"},
+    deps=upstream("scored_rollouts"),
+    check_specs=[dg.AssetCheckSpec("rewards_finite", asset="scored_rollouts", blocking=True)],
+)
+def scored_rollouts(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    ray: RayResource,
+) -> dg.MaterializeResult:
     """Rollouts with rule-based rewards by data_source; re-materialize to re-score without regenerating."""
     cfg, it = run_config.load(), int(context.partition_key)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     ray.ensure()
     with timed() as t:
         scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
-    v = rollout_store.write("scored_rollouts", scored, run_id=cfg.run_id, iteration=it,
-                            lineage=lineage(cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]))
+    v = rollout_store.write(
+        "scored_rollouts",
+        scored,
+        run_id=cfg.run_id,
+        iteration=it,
+        lineage=lineage(
+            cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
+        ),
+    )
     bad = int((~np.isfinite(scored["reward"])).sum())
     flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "reward_mean": float(np.nanmean(scored["reward"])), "rollouts": len(scored),
-                  "reward_fns": sorted(scored["reward_fn"].unique())},
-        check_results=[dg.AssetCheckResult(check_name="rewards_finite", passed=bad == 0 or (flag and bad < len(scored)),
-                                           severity=dg.AssetCheckSeverity.WARN if flag else dg.AssetCheckSeverity.ERROR,
-                                           metadata={"non_finite": bad, "on_error": cfg.reward.on_error})])
+        metadata={
+            "delta_version": v,
+            "reward_mean": float(np.nanmean(scored["reward"])),
+            "rollouts": len(scored),
+            "reward_fns": sorted(scored["reward_fn"].unique()),
+        },
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="rewards_finite",
+                passed=bad == 0 or (flag and bad < len(scored)),
+                severity=dg.AssetCheckSeverity.WARN if flag else dg.AssetCheckSeverity.ERROR,
+                metadata={"non_finite": bad, "on_error": cfg.reward.on_error},
+            )
+        ],
+    )
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch", "delta"}, deps=upstream("advantages"),
-          check_specs=[dg.AssetCheckSpec("advantages_finite", asset="advantages", blocking=True)])
-def advantages(context: dg.AssetExecutionContext, run_config: RunConfigResource,
-               rollout_store: RolloutStoreResource) -> dg.MaterializeResult:
+@dg.asset(
+    partitions_def=iterations,
+    group_name=TRAIN,
+    kinds={"pytorch", "delta"},
+    deps=upstream("advantages"),
+    check_specs=[dg.AssetCheckSpec("advantages_finite", asset="advantages", blocking=True)],
+)
+def advantages(
+    context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource
+) -> dg.MaterializeResult:
     """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass."""
     cfg, it = run_config.load(), int(context.partition_key)
     scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
-    gae = uses_critic(cfg)  # PPO with a critic: GAE bootstraps from the `values` table
-    values, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it) if gae else (None, None)
-    kl = uses_reference(cfg)  # KL loss or KL in the reward: the reference policy's log-probs
-    ref, ref_version = read_recorded(context, rollout_store, "ref_logprobs", cfg.run_id, it) if kl else (None, None)
+    values, values_version = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
+    ref, ref_version = read_if(uses_reference(cfg), context, rollout_store, "ref_logprobs", cfg.run_id, it)
     # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
-    prev, prev_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it - 1) if uses_adaptive_kl(cfg) and it > 0 else (None, None)
-    if cfg.reward.on_error == "flag":
-        scored, flagged = drop_flagged_rollouts(scored)
-        context.log.info(f"dropped {flagged} rollouts flagged by the reward stage (reward.on_error=flag)")
+    adaptive = uses_adaptive_kl(cfg) and it > 0
+    prev, prev_version = read_if(adaptive, context, rollout_store, "advantages", cfg.run_id, it - 1)
     with timed() as t:
-        kept = select_training_groups(scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size,
-                                      correct_score=cfg.reward.score)  # DAPO: only groups with reward spread
-        adv = compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref,
-                                      kl_coef=kl_coef_for_iteration(cfg.algorithm, prev) if cfg.algorithm.use_kl_in_reward else None)
-    extra = {k: u for k, u in (("values", values_version), ("ref_logprobs", ref_version), ("advantages", prev_version)) if u is not None}
-    v = rollout_store.write("advantages", adv, run_id=cfg.run_id, iteration=it,
-                            lineage=lineage(cfg, stage="advantages", policy_version=it, upstream={"scored_rollouts": version, **extra}, duration_s=t["s"]))
+        adv, dropped = iteration_advantages(cfg, scored, values=values, ref=ref, previous=prev)
+    if dropped:
+        context.log.info(f"dropped {dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
+    upstream = {
+        "scored_rollouts": version,
+        "values": values_version,
+        "ref_logprobs": ref_version,
+        "advantages": prev_version,
+    }
+    v = write_table(rollout_store, cfg, "advantages", adv, it, policy_version=it, upstream=upstream, duration_s=t["s"])
     finite = bool(np.isfinite(adv["advantage"]).all())
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "adv_estimator": cfg.algorithm.adv_estimator, "advantage_abs_mean": float(adv["advantage"].abs().mean()),
-                  "zero_advantage_frac": float((adv["advantage"] == 0).mean()), "kept_groups": int(adv["group_id"].nunique()),
-                  "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0},
-        check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)])
+        metadata={
+            "delta_version": v,
+            "adv_estimator": cfg.algorithm.adv_estimator,
+            "advantage_abs_mean": float(adv["advantage"].abs().mean()),
+            "zero_advantage_frac": float((adv["advantage"] == 0).mean()),
+            "kept_groups": int(adv["group_id"].nunique()),
+            "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0,
+        },
+        check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)],
+    )

@@ -1,29 +1,42 @@
 """Per-iteration optimization and bookkeeping assets: policy update and iteration metrics."""
 
-import json
-
 import dagster as dg
 import pandas as pd
 
-from assets.common import EVAL, TRAIN, iterations, lineage, read_recorded, train_prompt_count
-from assets.resources import (ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource,
-                              TrackerResource)
-from stages.dag import ITERATION, STEP_TIMINGS, upstream, uses_critic
-from stages.run.resume import save_trainer_state
-from stages.train.critic import critic_metrics
-from stages.metrics import rollout_metrics
-from stages.models.policy import load_tokenizer
+from assets.common import EVAL, TRAIN, iterations, read_if, read_recorded, train_prompt_count, write_table
+from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
+from stages.dag import ITERATION, upstream, uses_critic
+from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.store import commit_lineage, table_exists
 from stages.io.tables import PROMPTS_ITERATION
-from stages.update import METRICS_FILE, policy_checkpoint_update
-from stages.evaluate import validation_rollouts, validation_summary
+from stages.metrics import iteration_metrics as compute_iteration_metrics
+from stages.metrics import validates
+from stages.models.policy import load_tokenizer
+from stages.run.resume import save_trainer_state
+from stages.update import policy_checkpoint_update
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch"}, deps=upstream("policy_checkpoint"),
-          check_specs=[dg.AssetCheckSpec("ppo_kl_within_limit", asset="policy_checkpoint", blocking=True,
-                                         description="|actor/ppo_kl| <= trainer.max_ppo_kl (null: off)")])
-def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
-                      model_store: ModelStoreResource, ray: RayResource) -> dg.MaterializeResult:
+@dg.asset(
+    partitions_def=iterations,
+    group_name=TRAIN,
+    kinds={"ray", "pytorch"},
+    deps=upstream("policy_checkpoint"),
+    check_specs=[
+        dg.AssetCheckSpec(
+            "ppo_kl_within_limit",
+            asset="policy_checkpoint",
+            blocking=True,
+            description="|actor/ppo_kl| <= trainer.max_ppo_kl (null: off)",
+        )
+    ],
+)
+def policy_checkpoint(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+    ray: RayResource,
+) -> dg.MaterializeResult:
     """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer
     state) and its trainer_state.json (stages.run.resume), whether `rlake train` or the UI launched the run."""
     cfg, it = run_config.load(), int(context.partition_key)
@@ -32,50 +45,79 @@ def policy_checkpoint(context: dg.AssetExecutionContext, run_config: RunConfigRe
     _, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     out_dir = ms.policy_dir(it + 1)
     ray.ensure()
-    metrics = policy_checkpoint_update(cfg, it, advantages_uri=uri, advantages_version=adv_version, out_dir=out_dir,
-                                       policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"))
+    metrics = policy_checkpoint_update(
+        cfg,
+        it,
+        advantages_uri=uri,
+        advantages_version=adv_version,
+        out_dir=out_dir,
+        policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"),
+    )
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
     save_trainer_state(cfg, out_dir, it + 1, train_prompt_count(rollout_store, cfg.run_id))
     kl_check = ppo_kl_check(metrics, cfg.trainer.max_ppo_kl, it)
     if not kl_check.passed:
         context.log.error(kl_check.description)
-    return dg.MaterializeResult(metadata={**metrics, "policy_version": it + 1, "path": str(out_dir),
-                                          "advantages_version": int(adv_version), "pruned_versions": pruned},
-                              check_results=[kl_check])
+    return dg.MaterializeResult(
+        metadata={
+            **metrics,
+            "policy_version": it + 1,
+            "path": str(out_dir),
+            "advantages_version": int(adv_version),
+            "pruned_versions": pruned,
+        },
+        check_results=[kl_check],
+    )
 
 
 def ppo_kl_check(metrics: dict[str, float], limit: float | None, it: int) -> dg.AssetCheckResult:
     """Blocking gate: an update that moved the policy further than trainer.max_ppo_kl stops the run."""
     kl = float(metrics.get("actor/ppo_kl", float("nan")))
     if limit is None:
-        return dg.AssetCheckResult(check_name="ppo_kl_within_limit", passed=True, metadata={"ppo_kl": kl, "limit": "off"})
+        return dg.AssetCheckResult(
+            check_name="ppo_kl_within_limit", passed=True, metadata={"ppo_kl": kl, "limit": "off"}
+        )
     passed = abs(kl) <= limit  # NaN fails too
-    why = "" if passed else (
-        f"iteration {it}'s update has |actor/ppo_kl| = {abs(kl):.4g} > trainer.max_ppo_kl = {limit:g}: the new policy "
-        "moved too far from the one that sampled the rollouts, so the next iteration would train on a policy the PPO "
-        "clip no longer controls; lower actor.optim.lr or actor.ppo_epochs, tighten actor.clip_ratio, or raise "
-        "trainer.max_ppo_kl, then re-materialize policy_checkpoint for this partition")
-    return dg.AssetCheckResult(check_name="ppo_kl_within_limit", passed=passed, description=why or None,
-                               metadata={"ppo_kl": kl, "limit": limit, **({"message": why} if why else {})})
+    why = (
+        ""
+        if passed
+        else (
+            f"iteration {it}'s update has |actor/ppo_kl| = {abs(kl):.4g} > trainer.max_ppo_kl = {limit:g}: the new "
+            "policy moved too far from the one that sampled the rollouts, so the next iteration would train on a "
+            "policy the PPO clip no longer controls; lower actor.optim.lr or actor.ppo_epochs, tighten "
+            "actor.clip_ratio, or raise trainer.max_ppo_kl, then re-materialize policy_checkpoint for this partition"
+        )
+    )
+    return dg.AssetCheckResult(
+        check_name="ppo_kl_within_limit",
+        passed=passed,
+        description=why or None,
+        metadata={"ppo_kl": kl, "limit": limit, **({"message": why} if why else {})},
+    )
 
 
-@dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"},
-          deps=upstream("iteration_metrics"))
-def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource,
-                      model_store: ModelStoreResource, tracker: TrackerResource, ray: RayResource) -> dg.MaterializeResult:
+@dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"}, deps=upstream("iteration_metrics"))
+def iteration_metrics(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    rollout_store: RolloutStoreResource,
+    model_store: ModelStoreResource,
+    tracker: TrackerResource,
+    ray: RayResource,
+) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
     cfg, it = run_config.load(), int(context.partition_key)
     scored, s_v = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
     adv, a_v = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
-    new_dir = model_store.for_run(cfg.run_id).require(it + 1, needed_by="iteration_metrics")
-    m = rollout_metrics(scored, adv, cfg.data.max_response_length)
-    m |= json.loads((new_dir / METRICS_FILE).read_text()) | stage_timings(rollout_store, cfg.run_id, it)
-    if uses_critic(cfg):  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
-        m |= critic_metrics(adv, read_recorded(context, rollout_store, "values", cfg.run_id, it)[0],
-                            model_store.for_run(cfg.run_id).critic_dir(it + 1))
-    m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
+    values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
+    ms = model_store.for_run(cfg.run_id)
+    new_dir = ms.require(it + 1, needed_by="iteration_metrics")
+    timings = stage_timings(rollout_store, cfg.run_id, it)
+    m = compute_iteration_metrics(
+        cfg, scored, adv, policy_dir=new_dir, timings=timings, values=values, critic_dir=ms.critic_dir(it + 1)
+    )
     last, val = it + 1 == cfg.trainer.total_training_steps, None
-    if last or (cfg.trainer.test_freq > 0 and (it + 1) % cfg.trainer.test_freq == 0):
+    if validates(cfg, it):
         ray.ensure()
         prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
         val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
@@ -83,14 +125,31 @@ def iteration_metrics(context: dg.AssetExecutionContext, run_config: RunConfigRe
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
     tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
-    v = rollout_store.write("iteration_metrics", rows, run_id=cfg.run_id, iteration=it, lineage=lineage(
-        cfg, stage="iteration_metrics", policy_version=it + 1, upstream={"scored_rollouts": s_v, "advantages": a_v}, duration_s=0))
-    tracker.log_iteration(mlflow_id, rollout_store.root, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val)
+    upstream = {"scored_rollouts": s_v, "advantages": a_v}
+    v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=upstream)
+    tracker.log_iteration(
+        mlflow_id, rollout_store.root, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
+    )
     if last:  # the run is complete: its validation curve, then FINISHED
         tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.root)
-    keys = ("critic/score/mean", "critic/vf_loss", "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "timing_s/step")
-    return dg.MaterializeResult(metadata={"delta_version": v, **{k: m[k] for k in keys if k in m},
-                                          **{k: v for k, v in m.items() if k.startswith("val-core/")}})
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": v,
+            **{k: m[k] for k in SUMMARY_METRICS if k in m},
+            **{k: v for k, v in m.items() if k.startswith("val-core/")},
+        }
+    )
+
+
+SUMMARY_METRICS = (
+    "critic/score/mean",
+    "critic/vf_loss",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "response_length/mean",
+    "timing_s/step",
+)
+"""The iteration_metrics asset's metadata (Dagster UI), besides val-core/*; every metric goes to Delta and MLflow."""
 
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:

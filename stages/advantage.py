@@ -19,6 +19,7 @@ from configs.schema import RunConfig
 from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
 from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
+from stages.filter_groups import select_training_groups, split_baseline_rows
 
 
 def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
@@ -36,12 +37,6 @@ def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
             "re-materialize scored_rollouts for this iteration"
         )
     return scored[ok].reset_index(drop=True), int((~ok).sum())
-
-
-def split_baseline_rows(scored: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(training samples, ReMax greedy baseline rows) of scored rollouts; no is_baseline column = no baselines."""
-    base = scored["is_baseline"].astype(bool).to_numpy() if "is_baseline" in scored else np.zeros(len(scored), bool)
-    return scored[~base].reset_index(drop=True), scored[base].reset_index(drop=True)
 
 
 def remax_baseline_rewards(sampled: pd.DataFrame, baselines: pd.DataFrame) -> torch.Tensor:
@@ -221,3 +216,27 @@ def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float
 def uses_adaptive_kl(cfg: RunConfig) -> bool:
     """KL in the reward with the adaptive controller: beta of iteration N follows from iteration N-1's table."""
     return bool(cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == "adaptive")
+
+
+def iteration_advantages(
+    cfg: RunConfig,
+    scored: pd.DataFrame,
+    *,
+    values: pd.DataFrame | None = None,
+    ref: pd.DataFrame | None = None,
+    previous: pd.DataFrame | None = None,
+) -> tuple[pd.DataFrame, int]:
+    """The `advantages` stage: (the iteration's advantages table, rollouts dropped as flagged).
+
+    Rollouts the reward stage flagged (reward.on_error='flag') are dropped, DAPO's group filter keeps the
+    first train_batch_size groups with reward spread (algorithm.filter_groups), then algorithm.adv_estimator
+    runs. values: the iteration's `values` (GAE); ref: its `ref_logprobs` (KL in the reward); previous: the
+    previous iteration's advantages (the adaptive KL controller's state)."""
+    dropped = 0
+    if cfg.reward.on_error == "flag":
+        scored, dropped = drop_flagged_rollouts(scored)
+    kept = select_training_groups(
+        scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
+    )
+    kl_coef = kl_coef_for_iteration(cfg.algorithm, previous) if cfg.algorithm.use_kl_in_reward else None
+    return compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref, kl_coef=kl_coef), dropped

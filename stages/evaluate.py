@@ -3,6 +3,7 @@
 The rollouts run on the run's "rollout" worker group (stages.rollout.generate_rollouts), the same
 engines as training; scoring runs in this process.
 """
+
 from __future__ import annotations
 
 import pandas as pd
@@ -15,17 +16,25 @@ from stages.reward import score_rollouts
 from stages.rollout import generate_rollouts
 
 
-def validation_rollouts(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *,
-                        use_ray: bool = True) -> dict[str, pd.DataFrame]:
+def validation_rollouts(
+    model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *, use_ray: bool = True
+) -> dict[str, pd.DataFrame]:
     """Scored validation rollouts of the first data.val_batch_size val prompts: "greedy" (one per
     prompt) and "sampled" (rollout.n per prompt)."""
     batch = prompt_batch_frame(val_prompts.head(cfg.data.val_batch_size), tokenizer, cfg.data.max_prompt_length)
     batch = batch.assign(group_id=batch["prompt_id"], policy_version=-1)
     out: dict[str, pd.DataFrame] = {}
     for mode, n in (("greedy", 1), ("sampled", cfg.rollout.n)):
-        rollouts = generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg.rollout,
-                                     max_tokens=cfg.data.max_response_length, seed=seeds.validation(cfg.rollout.seed),
-                                     greedy=mode == "greedy", n=n, use_ray=use_ray)
+        rollouts = generate_rollouts(
+            batch,
+            model_dir=model_dir,
+            rollout_cfg=cfg.rollout,
+            max_tokens=cfg.data.max_response_length,
+            seed=seeds.validation(cfg.rollout.seed),
+            greedy=mode == "greedy",
+            n=n,
+            use_ray=use_ray,
+        )
         out[mode] = score_rollouts(rollouts, cfg.reward, use_ray=False)
     return out
 
@@ -43,8 +52,10 @@ def validation_summary(scored: dict[str, pd.DataFrame], n: int) -> dict[str, flo
     return metrics
 
 
-def validate_policy(model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *,
-                    use_ray: bool = True) -> dict[str, float]:
+def validate_policy(
+    model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *, use_ray: bool = True
+) -> dict[str, float]:
     """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
-    return validation_summary(validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray),
-                              cfg.rollout.n)
+    return validation_summary(
+        validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray), cfg.rollout.n
+    )

@@ -18,7 +18,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from stages.advantage import split_baseline_rows
 from stages.algos.dapo import filter_groups_by_variance
 
 
@@ -90,3 +89,9 @@ def select_training_groups(scored: pd.DataFrame, filter_cfg, *, need_groups: int
         )
     chosen = set(groups[:need_groups])
     return scored[scored["group_id"].isin(chosen)].sort_values("rollout_id").reset_index(drop=True)  # + baselines
+
+
+def split_baseline_rows(scored: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(training samples, ReMax greedy baseline rows) of scored rollouts; no is_baseline column = no baselines."""
+    base = scored["is_baseline"].astype(bool).to_numpy() if "is_baseline" in scored else np.zeros(len(scored), bool)
+    return scored[~base].reset_index(drop=True), scored[base].reset_index(drop=True)

@@ -1,4 +1,5 @@
 """Initial policy (version 0): the tiny model warm-started in-process, or a local HF checkpoint."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,11 +17,16 @@ def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> t
     tok = build_char_tokenizer()
     model = build_tiny_model(model_cfg.tiny, len(tok), seed=seed)
     formats = model_cfg.tiny.warmstart_answer_formats
-    examples = [(list(p), formats[i % len(formats)].format(answer=rm["ground_truth"])) for i, (p, rm) in
-                enumerate(zip(train_prompts["prompt"], train_prompts["reward_model"], strict=True))]
+    examples = [
+        (list(p), formats[i % len(formats)].format(answer=rm["ground_truth"]))
+        for i, (p, rm) in enumerate(zip(train_prompts["prompt"], train_prompts["reward_model"], strict=True))
+    ]
     losses = warmstart_sft(model, tok, examples, model_cfg.tiny, seed=seed)
-    meta = {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1],
-            "warmstart_steps": len(losses)} if losses else {}
+    meta = (
+        {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1], "warmstart_steps": len(losses)}
+        if losses
+        else {}
+    )
     return model, tok, meta
 
 

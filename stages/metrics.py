@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
-from stages.advantage import split_baseline_rows
+from configs.schema import RunConfig
+from stages.dag import STEP_TIMINGS
+from stages.filter_groups import split_baseline_rows
+from stages.train.critic import critic_metrics
+from stages.workers.actor_worker import METRICS_FILE
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -60,3 +67,30 @@ def validation_metrics(scored: pd.DataFrame, tag: str) -> dict[str, float]:
     for ds, part in scored.groupby("data_source"):
         out[f"val-core/{ds}/reward/{tag}"] = float(part["reward"].mean())
     return out
+
+
+def iteration_metrics(
+    cfg: RunConfig,
+    scored: pd.DataFrame,
+    advantages: pd.DataFrame,
+    *,
+    policy_dir: str | Path,
+    timings: dict[str, float],
+    values: pd.DataFrame | None = None,
+    critic_dir: str | Path | None = None,
+) -> dict[str, float]:
+    """The `iteration_metrics` stage: rollout and algorithm metrics, the update's metrics stored beside the new
+    policy (policy_dir), the stages' timings and timing_s/step, and with a critic (values, critic_dir) its
+    metrics. Validation is added by the caller when validates(cfg, iteration)."""
+    m = rollout_metrics(scored, advantages, cfg.data.max_response_length)
+    m |= json.loads((Path(policy_dir) / METRICS_FILE).read_text()) | timings
+    if values is not None and critic_dir is not None:  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
+        m |= critic_metrics(advantages, values, critic_dir)
+    m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
+    return m
+
+
+def validates(cfg: RunConfig, iteration: int) -> bool:
+    """Whether iteration `iteration`'s new policy is validated: every trainer.test_freq-th one and the last."""
+    last = iteration + 1 == cfg.trainer.total_training_steps
+    return last or (cfg.trainer.test_freq > 0 and (iteration + 1) % cfg.trainer.test_freq == 0)

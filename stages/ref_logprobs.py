@@ -8,6 +8,7 @@ group and calls `RefWorker.compute_ref_log_prob` (stages/workers/ref_worker.py) 
 workers load the reference once and keep it for the whole run. Log-probs are taken at the rollout's
 sampling temperature (as verl's ref), so at iteration 0 they equal the rollout engine's (a test checks 1e-4).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,13 +29,24 @@ REF_POLICY_VERSION = 0
 
 def reference_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, ref_dir: str | Path) -> pd.DataFrame:
     """The ref_logprobs table rows of an iteration's rollouts, on rollout.num_workers "ref" workers."""
-    return compute_ref_logprobs(rollouts, model_dir=str(ref_dir), micro_batch_size=cfg.actor.ppo_micro_batch_size,
-                                num_workers=cfg.rollout.num_workers,
-                                temperature=logprob_temperature(cfg.rollout.temperature))
+    return compute_ref_logprobs(
+        rollouts,
+        model_dir=str(ref_dir),
+        micro_batch_size=cfg.actor.ppo_micro_batch_size,
+        num_workers=cfg.rollout.num_workers,
+        temperature=logprob_temperature(cfg.rollout.temperature),
+    )
 
 
-def compute_ref_logprobs(rollouts: pd.DataFrame, *, model_dir: str, micro_batch_size: int = 64,
-                         num_workers: int = 1, use_ray: bool = True, temperature: float = 1.0) -> pd.DataFrame:
+def compute_ref_logprobs(
+    rollouts: pd.DataFrame,
+    *,
+    model_dir: str,
+    micro_batch_size: int = 64,
+    num_workers: int = 1,
+    use_ray: bool = True,
+    temperature: float = 1.0,
+) -> pd.DataFrame:
     """Rows of the ref_logprobs table (rollout_id, policy_version, ref_policy_version, ref_logprobs),
     sorted by rollout_id; one list per rollout, as long as its response.
 
@@ -42,15 +54,20 @@ def compute_ref_logprobs(rollouts: pd.DataFrame, *, model_dir: str, micro_batch_
     worker is replaced and the call retried up to MAX_ACTOR_RESTARTS times."""
     if not len(rollouts):
         raise ValueError("compute_ref_logprobs got no rollouts: the rollouts partition is empty")
-    kwargs = {"model_dir": model_dir, "ref_policy_version": REF_POLICY_VERSION, "micro_batch_size": micro_batch_size,
-              "temperature": temperature}
+    kwargs = {
+        "model_dir": model_dir,
+        "ref_policy_version": REF_POLICY_VERSION,
+        "micro_batch_size": micro_batch_size,
+        "temperature": temperature,
+    }
     if use_ray:
         workers = max(1, min(num_workers, len(rollouts)))
         shards = split_frame(rollouts, workers)
         parts = call_with_retry(
             lambda: worker_group(RefWorker, "ref", workers, threads=2 if workers == 1 else 1, **kwargs),
             lambda g: g.call_each(RefWorker.compute_ref_log_prob, [(shard,) for shard in shards]),
-            retries=MAX_ACTOR_RESTARTS)
+            retries=MAX_ACTOR_RESTARTS,
+        )
         out = pd.concat(parts, ignore_index=True)
     else:
         out = RefWorker(0, 1, torch.get_num_threads(), **kwargs).compute_ref_log_prob(rollouts)

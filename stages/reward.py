@@ -10,6 +10,7 @@ DAPO's soft overlong punishment (reward.overlong_buffer, stages.algos.dapo.overl
 is added to the task score of training rollouts: `score` keeps the task score, `overlong_penalty`
 the shaping term and `reward` = score + overlong_penalty. Validation scores the task alone.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,14 @@ class RewardStage:
     overlong: {"len", "penalty_factor", "max_response_length"} to shape rewards, or None.
     """
 
-    def __init__(self, format_score: float = 0.0, score: float = 1.0, on_error: str = "raise",
-                 overlong: dict | None = None, gsm8k_method: str = "strict") -> None:
+    def __init__(
+        self,
+        format_score: float = 0.0,
+        score: float = 1.0,
+        on_error: str = "raise",
+        overlong: dict | None = None,
+        gsm8k_method: str = "strict",
+    ) -> None:
         self.kw = {"format_score": format_score, "score": score}
         self.gsm8k_method = gsm8k_method
         self.on_error = on_error
@@ -52,8 +59,9 @@ class RewardStage:
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         scores, names, errors = [], [], []
-        for rid, ds, text, gt in zip(batch["rollout_id"], batch["data_source"], batch["response_text"],
-                                     batch["ground_truth"], strict=True):
+        for rid, ds, text, gt in zip(
+            batch["rollout_id"], batch["data_source"], batch["response_text"], batch["ground_truth"], strict=True
+        ):
             fn = reward_fn_for(ds)
             try:
                 value = float(fn(text, gt, **self.kw, **_method_kw(fn, self.gsm8k_method)))
@@ -62,8 +70,10 @@ class RewardStage:
                 err = None
             except Exception as exc:  # user reward code; reported with the row
                 if self.on_error == "raise":
-                    raise ValueError(f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
-                                     f"{rid}: {exc}. Fix the function or set reward.on_error='flag'.") from exc
+                    raise ValueError(
+                        f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
+                        f"{rid}: {exc}. Fix the function or set reward.on_error='flag'."
+                    ) from exc
                 value, err = float("nan"), f"{type(exc).__name__}: {exc}"
             scores.append(value)
             names.append(f"{fn.__module__}.{fn.__name__}")
@@ -71,15 +81,22 @@ class RewardStage:
         penalty = [0.0] * len(batch)
         if self.overlong is not None and len(batch):
             lengths = torch.tensor(batch["response_length"].to_numpy(dtype="int64"))
-            penalty = overlong_reward_penalty(lengths, self.overlong["max_response_length"], self.overlong["len"],
-                                              self.overlong["penalty_factor"]).double().tolist()
+            penalty = (
+                overlong_reward_penalty(
+                    lengths, self.overlong["max_response_length"], self.overlong["len"], self.overlong["penalty_factor"]
+                )
+                .double()
+                .tolist()
+            )
         rewards = [s + p for s, p in zip(scores, penalty, strict=True)]
-        return batch.assign(reward=rewards, reward_fn=names, reward_error=errors, score=scores,
-                            overlong_penalty=penalty)
+        return batch.assign(
+            reward=rewards, reward_fn=names, reward_error=errors, score=scores, overlong_penalty=penalty
+        )
 
 
-def score_rollouts(rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True,
-                   max_response_length: int | None = None) -> pd.DataFrame:
+def score_rollouts(
+    rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True, max_response_length: int | None = None
+) -> pd.DataFrame:
     """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
     score and overlong_penalty. Overlong shaping applies when reward_cfg.overlong_buffer.enable and
     max_response_length (the generation limit, data.max_response_length) is given."""
@@ -89,8 +106,13 @@ def score_rollouts(rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray:
     overlong = None
     if ob is not None and ob.enable and max_response_length is not None:
         overlong = {"len": ob.len, "penalty_factor": ob.penalty_factor, "max_response_length": max_response_length}
-    kwargs = {"format_score": reward_cfg.format_score, "score": reward_cfg.score, "on_error": reward_cfg.on_error,
-              "overlong": overlong, "gsm8k_method": reward_cfg.gsm8k_method}
+    kwargs = {
+        "format_score": reward_cfg.format_score,
+        "score": reward_cfg.score,
+        "on_error": reward_cfg.on_error,
+        "overlong": overlong,
+        "gsm8k_method": reward_cfg.gsm8k_method,
+    }
     if not use_ray:
         return RewardStage(**kwargs)(rollouts)
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))

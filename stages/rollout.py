@@ -7,6 +7,7 @@ splits the batch into contiguous shards over the run's "rollout" worker group an
 `RolloutWorker.generate` (stages/workers/rollout_worker.py) on each rank. The workers keep their engine
 for the whole run and take each new policy version's weights in place.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,11 +25,19 @@ from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
 
 
-def sampling_from_config(rollout_cfg: RolloutConfig, max_tokens: int, *, seed: int, greedy: bool = False,
-                         n: int | None = None) -> SamplingSpec:
-    return SamplingSpec(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                        max_tokens=max_tokens, n=n if n is not None else rollout_cfg.n, seed=seed,
-                        stop=tuple(rollout_cfg.stop), greedy=greedy)
+def sampling_from_config(
+    rollout_cfg: RolloutConfig, max_tokens: int, *, seed: int, greedy: bool = False, n: int | None = None
+) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=rollout_cfg.temperature,
+        top_p=rollout_cfg.top_p,
+        top_k=rollout_cfg.top_k,
+        max_tokens=max_tokens,
+        n=n if n is not None else rollout_cfg.n,
+        seed=seed,
+        stop=tuple(rollout_cfg.stop),
+        greedy=greedy,
+    )
 
 
 def rollout_threads(rollout_cfg: RolloutConfig) -> int:
@@ -38,19 +47,35 @@ def rollout_threads(rollout_cfg: RolloutConfig) -> int:
 
 def rollout_group(rollout_cfg: RolloutConfig) -> WorkerGroup:
     """The run's "rollout" group (rollout.num_workers RolloutWorkers), created on first use."""
-    return worker_group(RolloutWorker, "rollout", rollout_cfg.num_workers, threads=rollout_threads(rollout_cfg),
-                        engine=rollout_cfg.name, micro_batch_size=rollout_cfg.micro_batch_size)
+    return worker_group(
+        RolloutWorker,
+        "rollout",
+        rollout_cfg.num_workers,
+        threads=rollout_threads(rollout_cfg),
+        engine=rollout_cfg.name,
+        micro_batch_size=rollout_cfg.micro_batch_size,
+    )
 
 
 def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
     """A RolloutWorker in this process (use_ray=False), owned by the caller."""
-    return RolloutWorker(0, 1, rollout_threads(rollout_cfg), engine=rollout_cfg.name,
-                         micro_batch_size=rollout_cfg.micro_batch_size)
+    return RolloutWorker(
+        0, 1, rollout_threads(rollout_cfg), engine=rollout_cfg.name, micro_batch_size=rollout_cfg.micro_batch_size
+    )
 
 
-def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg: RolloutConfig, max_tokens: int,
-                      seed: int, greedy: bool = False, n: int | None = None, use_ray: bool = True,
-                      local_worker: RolloutWorker | None = None) -> pd.DataFrame:
+def generate_rollouts(
+    prompt_batch: pd.DataFrame,
+    *,
+    model_dir: str,
+    rollout_cfg: RolloutConfig,
+    max_tokens: int,
+    seed: int,
+    greedy: bool = False,
+    n: int | None = None,
+    use_ray: bool = True,
+    local_worker: RolloutWorker | None = None,
+) -> pd.DataFrame:
     """Generate over prompt_batch (prompt_id, prompt_token_ids, ...); one row per (prompt, sample) with
     rollout_id = position in (prompt_id, sample_index) order.
 
@@ -60,8 +85,10 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
     if use_ray:
         shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
-        parts = call_with_retry(lambda: rollout_group(rollout_cfg), lambda g: g.call_each(
-            RolloutWorker.generate, [(model_dir, shard, spec) for shard in shards]))
+        parts = call_with_retry(
+            lambda: rollout_group(rollout_cfg),
+            lambda g: g.call_each(RolloutWorker.generate, [(model_dir, shard, spec) for shard in shards]),
+        )
         out = pd.concat(parts, ignore_index=True)
     elif local_worker is not None:
         out = local_worker.generate(model_dir, prompt_batch, spec)
@@ -76,8 +103,9 @@ def generate_rollouts(prompt_batch: pd.DataFrame, *, model_dir: str, rollout_cfg
     return out
 
 
-def add_greedy_baselines(sampled: pd.DataFrame, prompts: pd.DataFrame,
-                         generate_greedy: Callable[[pd.DataFrame], pd.DataFrame]) -> pd.DataFrame:
+def add_greedy_baselines(
+    sampled: pd.DataFrame, prompts: pd.DataFrame, generate_greedy: Callable[[pd.DataFrame], pd.DataFrame]
+) -> pd.DataFrame:
     """`sampled` plus one greedy response per group it holds (ReMax), marked is_baseline with sample_index -1
     and rollout_ids after the sampled ones (unique in the iteration); sampled rows get is_baseline False.
 
@@ -86,8 +114,10 @@ def add_greedy_baselines(sampled: pd.DataFrame, prompts: pd.DataFrame,
     groups = prompts[prompts["group_id"].isin(set(sampled["group_id"]))].reset_index(drop=True)
     greedy = generate_greedy(groups)
     if len(greedy) != len(groups) or set(greedy["group_id"]) != set(groups["group_id"]):
-        raise ValueError(f"the greedy baseline pass returned {len(greedy)} rollouts for {len(groups)} prompts; "
-                         "ReMax needs exactly one per prompt (generate with n=1)")
+        raise ValueError(
+            f"the greedy baseline pass returned {len(greedy)} rollouts for {len(groups)} prompts; "
+            "ReMax needs exactly one per prompt (generate with n=1)"
+        )
     start = int(sampled["rollout_id"].max()) + 1
     greedy = greedy.assign(sample_index=-1, is_baseline=True, rollout_id=np.arange(start, start + len(greedy)))
     return pd.concat([sampled.assign(is_baseline=False), greedy], ignore_index=True)
@@ -97,21 +127,42 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
     """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full; with
     adv_estimator='remax' plus one greedy baseline row per generated prompt (add_greedy_baselines).
     batch: a prompt_batches partition with group_id and policy_version set."""
+
     def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
-        return generate_rollouts(prompts, model_dir=model_dir, rollout_cfg=cfg.rollout,
-                                 max_tokens=cfg.data.max_response_length,
-                                 seed=seeds.rollout(cfg.rollout.seed, iteration, r))
+        return generate_rollouts(
+            prompts,
+            model_dir=model_dir,
+            rollout_cfg=cfg.rollout,
+            max_tokens=cfg.data.max_response_length,
+            seed=seeds.rollout(cfg.rollout.seed, iteration, r),
+        )
 
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         out = generate(batch, 0).assign(gen_round=0)
     else:
         out = generate_until_full(
-            batch, generate, lambda out: score_rollouts(out, cfg.reward, use_ray=False,
-                                                        max_response_length=cfg.data.max_response_length),
-            metric=fg.metric, correct_score=cfg.reward.score, need_groups=cfg.data.train_batch_size)
+            batch,
+            generate,
+            lambda out: score_rollouts(
+                out, cfg.reward, use_ray=False, max_response_length=cfg.data.max_response_length
+            ),
+            metric=fg.metric,
+            correct_score=cfg.reward.score,
+            need_groups=cfg.data.train_batch_size,
+        )
     if cfg.algorithm.adv_estimator != "remax":
         return out
-    return add_greedy_baselines(out, batch, lambda prompts: generate_rollouts(
-        prompts, model_dir=model_dir, rollout_cfg=cfg.rollout, max_tokens=cfg.data.max_response_length,
-        seed=seeds.rollout(cfg.rollout.seed, iteration), greedy=True, n=1))
+    return add_greedy_baselines(
+        out,
+        batch,
+        lambda prompts: generate_rollouts(
+            prompts,
+            model_dir=model_dir,
+            rollout_cfg=cfg.rollout,
+            max_tokens=cfg.data.max_response_length,
+            seed=seeds.rollout(cfg.rollout.seed, iteration),
+            greedy=True,
+            n=1,
+        ),
+    )

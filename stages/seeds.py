@@ -7,6 +7,7 @@ what an uninterrupted one would. `recorded` is what trainer_state.json stores fo
 Config seeds: `seed` (run: model init, warm start, prompt order, updates), `rollout.seed` (sampling),
 `data.synthetic.seed` (the generated task).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,5 +55,9 @@ def fewshot(synthetic_seed: int) -> int:
 
 def recorded(cfg: Any, iteration: int) -> dict[str, int]:
     """The seeds iteration `iteration` uses (trainer_state.json; resume compares them)."""
-    return {"seed": cfg.seed, "rollout_seed": rollout(cfg.rollout.seed, iteration),
-            "update_seed": update(cfg.seed, iteration), "shuffle_seed": cfg.seed}
+    return {
+        "seed": cfg.seed,
+        "rollout_seed": rollout(cfg.rollout.seed, iteration),
+        "update_seed": update(cfg.seed, iteration),
+        "shuffle_seed": cfg.seed,
+    }

@@ -7,6 +7,7 @@ run's "actor" group: actor.num_workers Ray actors in one gloo process group, kep
 Rank 0 writes the new checkpoint, with the update's metrics beside it (METRICS_FILE, read by
 iteration_metrics and replay).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,29 @@ from stages.workers.group import WorkerGroup, call_with_retry, worker_group
 from stages.workers.requests import UpdateRequest
 
 
-def update_request(cfg: RunConfig, iteration: int, *, advantages_uri: str, advantages_version: int,
-                   policy_dir: str | Path, out_dir: str | Path) -> UpdateRequest:
+def update_request(
+    cfg: RunConfig,
+    iteration: int,
+    *,
+    advantages_uri: str,
+    advantages_version: int,
+    policy_dir: str | Path,
+    out_dir: str | Path,
+) -> UpdateRequest:
     """Iteration `iteration`'s policy update: advantages at the recorded version, policy_dir -> out_dir."""
-    return UpdateRequest(run_id=cfg.run_id, iteration=iteration, advantages_uri=advantages_uri,
-                         advantages_version=int(advantages_version), policy_dir=str(policy_dir), out_dir=str(out_dir),
-                         actor=cfg.actor, n_per_prompt=cfg.rollout.n, seed=seeds.update(cfg.seed, iteration),
-                         temperature=logprob_temperature(cfg.rollout.temperature),
-                         checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}")
+    return UpdateRequest(
+        run_id=cfg.run_id,
+        iteration=iteration,
+        advantages_uri=advantages_uri,
+        advantages_version=int(advantages_version),
+        policy_dir=str(policy_dir),
+        out_dir=str(out_dir),
+        actor=cfg.actor,
+        n_per_prompt=cfg.rollout.n,
+        seed=seeds.update(cfg.seed, iteration),
+        temperature=logprob_temperature(cfg.rollout.temperature),
+        checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}",
+    )
 
 
 def actor_group(req: UpdateRequest) -> WorkerGroup:
@@ -55,10 +71,24 @@ def run_update(req: UpdateRequest) -> dict[str, float]:
     return metrics
 
 
-def policy_checkpoint_update(cfg: RunConfig, iteration: int, *, advantages_uri: str, advantages_version: int,
-                             policy_dir: str | Path, out_dir: str | Path) -> dict[str, float]:
+def policy_checkpoint_update(
+    cfg: RunConfig,
+    iteration: int,
+    *,
+    advantages_uri: str,
+    advantages_version: int,
+    policy_dir: str | Path,
+    out_dir: str | Path,
+) -> dict[str, float]:
     """The policy_checkpoint asset's work: policy version `iteration` at policy_dir, updated on the
     iteration's advantages, written as version iteration + 1 to out_dir; returns the update metrics."""
-    return run_update(update_request(cfg, iteration, advantages_uri=advantages_uri,
-                                     advantages_version=advantages_version, policy_dir=policy_dir, out_dir=out_dir))
-
+    return run_update(
+        update_request(
+            cfg,
+            iteration,
+            advantages_uri=advantages_uri,
+            advantages_version=advantages_version,
+            policy_dir=policy_dir,
+            out_dir=out_dir,
+        )
+    )

@@ -6,6 +6,7 @@ Flow: assets/critic.py `values` -> `rollout_values(cfg, rollouts, critic_dir, it
 one torch thread. The asset passes critic version `iteration` (stages.train.critic.require_critic
 creates version 0 from policy version 0 on first use).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,5 +26,9 @@ def critic_group(cfg: RunConfig) -> WorkerGroup:
 
 def rollout_values(cfg: RunConfig, rollouts: pd.DataFrame, critic_dir: str | Path, iteration: int) -> pd.DataFrame:
     """Rows of the `values` table (rollout_id, critic_version, values) of iteration `iteration`'s rollouts."""
-    return call_with_retry(lambda: critic_group(cfg), lambda g: g.call(
-        CriticWorker.compute_values, rollouts, str(critic_dir), iteration, cfg.critic.ppo_micro_batch_size))[0]
+    return call_with_retry(
+        lambda: critic_group(cfg),
+        lambda g: g.call(
+            CriticWorker.compute_values, rollouts, str(critic_dir), iteration, cfg.critic.ppo_micro_batch_size
+        ),
+    )[0]

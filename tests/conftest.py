@@ -1,4 +1,5 @@
 """Shared fixtures: offline HF, one local Ray cluster per session, a tiny checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,6 +3,7 @@
 Each `rlake train` case goes through the real CLI entry point (`pipelines.cli.main`) and checks the
 exit code, the message, the time taken, and that no table, checkpoint or Dagster instance was made.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,15 @@ def _fails_early(tmp_path: Path, capsys, *overrides: str, match: list[str], exis
 
 
 def _verl_rows(n: int = 12, **replace) -> pd.DataFrame:
-    df = pd.DataFrame({"data_source": ["rlake/arith"] * n,
-                       "prompt": [[{"role": "user", "content": f"{i}+1="}] for i in range(n)],
-                       "ability": ["math"] * n,
-                       "reward_model": [{"style": "rule", "ground_truth": str(i + 1)} for i in range(n)],
-                       "extra_info": [{"index": i} for i in range(n)]})
+    df = pd.DataFrame(
+        {
+            "data_source": ["rlake/arith"] * n,
+            "prompt": [[{"role": "user", "content": f"{i}+1="}] for i in range(n)],
+            "ability": ["math"] * n,
+            "reward_model": [{"style": "rule", "ground_truth": str(i + 1)} for i in range(n)],
+            "extra_info": [{"index": i} for i in range(n)],
+        }
+    )
     for k, v in replace.items():
         df[k] = v
     return df
@@ -53,70 +58,135 @@ def _parquet(tmp_path: Path, df: pd.DataFrame, name: str = "train.parquet") -> s
 
 def test_missing_parquet_columns(tmp_path, capsys) -> None:
     bad = _parquet(tmp_path, _verl_rows().drop(columns=["reward_model", "ability"]))
-    _fails_early(tmp_path, capsys, f"data.train_files=[{bad}]",
-                 match=["missing verl columns ['ability', 'reward_model']", "found", "Each row needs"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"data.train_files=[{bad}]",
+        match=["missing verl columns ['ability', 'reward_model']", "found", "Each row needs"],
+    )
 
 
 def test_malformed_prompt_column(tmp_path, capsys) -> None:
     bad = _parquet(tmp_path, _verl_rows(prompt=[f"{i}+1=" for i in range(12)]))  # a string, not chat messages
-    _fails_early(tmp_path, capsys, f"data.train_files=[{bad}]",
-                 match=["row 0 column 'prompt' must be a non-empty list of {role, content} messages (verl format)"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"data.train_files=[{bad}]",
+        match=["row 0 column 'prompt' must be a non-empty list of {role, content} messages (verl format)"],
+    )
 
 
 def test_missing_data_file(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, f"data.train_files=[{tmp_path / 'nope.parquet'}]",
-                 match=["nope.parquet' does not exist", "data.train_files"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"data.train_files=[{tmp_path / 'nope.parquet'}]",
+        match=["nope.parquet' does not exist", "data.train_files"],
+    )
 
 
 def test_unknown_data_source(tmp_path, capsys) -> None:
     bad = _parquet(tmp_path, _verl_rows(data_source=["my/unknown_set"] * 12))
-    _fails_early(tmp_path, capsys, f"data.train_files=[{bad}]",
-                 match=["No reward function for data_source 'my/unknown_set'", "Known: [",
-                        "register one in stages.data.rewards.REWARD_FNS"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"data.train_files=[{bad}]",
+        match=[
+            "No reward function for data_source 'my/unknown_set'",
+            "Known: [",
+            "register one in stages.data.rewards.REWARD_FNS",
+        ],
+    )
 
 
 def test_prompt_longer_than_the_limit(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, "data.max_prompt_length=4",
-                 match=["tokens, over data.max_prompt_length (4)", "raise the limit or filter long prompts"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        "data.max_prompt_length=4",
+        match=["tokens, over data.max_prompt_length (4)", "raise the limit or filter long prompts"],
+    )
 
 
 def test_config_typo_names_the_key_and_the_fix(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, "actor.ppo_mini_bach_size=4",
-                 match=["unknown config key 'actor.ppo_mini_bach_size'", "typo cannot be silently ignored",
-                        "did you mean 'actor.ppo_mini_batch_size'?"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        "actor.ppo_mini_bach_size=4",
+        match=[
+            "unknown config key 'actor.ppo_mini_bach_size'",
+            "typo cannot be silently ignored",
+            "did you mean 'actor.ppo_mini_batch_size'?",
+        ],
+    )
 
 
 def test_grpo_with_one_sample_per_prompt(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, "rollout.n=1",
-                 match=["rollout.n (1) must be >= 2 for GRPO", "because the advantage is computed within a group",
-                        "set rollout.n >= 2"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        "rollout.n=1",
+        match=[
+            "rollout.n (1) must be >= 2 for GRPO",
+            "because the advantage is computed within a group",
+            "set rollout.n >= 2",
+        ],
+    )
 
 
 def test_mini_batch_not_dividing_the_batch(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, "actor.ppo_mini_batch_size=3",
-                 match=["actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)",
-                        "because each iteration's batch is split", "pick a divisor of 8"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        "actor.ppo_mini_batch_size=3",
+        match=[
+            "actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)",
+            "because each iteration's batch is split",
+            "pick a divisor of 8",
+        ],
+    )
 
 
 def test_resume_path_without_resume_mode(tmp_path, capsys) -> None:
-    _fails_early(tmp_path, capsys, f"trainer.resume_from_path={tmp_path}",
-                 match=["a resume path is used exactly when resume_mode='resume_path'", "set both"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"trainer.resume_from_path={tmp_path}",
+        match=["a resume path is used exactly when resume_mode='resume_path'", "set both"],
+    )
 
 
 def test_model_path_that_is_not_a_causal_lm(tmp_path, capsys) -> None:
     from transformers import BertConfig
 
     enc = tmp_path / "bert"
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               architectures=["BertForMaskedLM"]).save_pretrained(enc)
-    _fails_early(tmp_path, capsys, f"model.path={enc}",
-                 match=["holds a ['BertForMaskedLM'] model, not a causal LM", "RL training generates with",
-                        "point it at a causal-LM checkpoint"])
+    BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        architectures=["BertForMaskedLM"],
+    ).save_pretrained(enc)
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"model.path={enc}",
+        match=[
+            "holds a ['BertForMaskedLM'] model, not a causal LM",
+            "RL training generates with",
+            "point it at a causal-LM checkpoint",
+        ],
+    )
 
 
 def test_model_path_that_is_not_a_checkpoint(tmp_path, capsys) -> None:
     (tmp_path / "empty").mkdir()
-    _fails_early(tmp_path, capsys, f"model.path={tmp_path / 'empty'}", match=["is not an HF checkpoint directory (no config.json)"])
+    _fails_early(
+        tmp_path,
+        capsys,
+        f"model.path={tmp_path / 'empty'}",
+        match=["is not an HF checkpoint directory (no config.json)"],
+    )
 
 
 def test_resume_from_a_checkpoint_of_another_architecture(tmp_path, capsys, tiny_checkpoint) -> None:
@@ -127,10 +197,19 @@ def test_resume_from_a_checkpoint_of_another_architecture(tmp_path, capsys, tiny
     ckpt = tmp_path / "out" / "checkpoints" / "bad" / "policy_v1"
     shutil.copytree(tiny_checkpoint, ckpt)
     write_trainer_state(ckpt, trainer_state(load_config(CI), "bad", 1, 184))
-    err = _fails_early(tmp_path, capsys, "model.tiny.hidden_size=128", "trainer.resume_mode=resume_path",
-                       f"trainer.resume_from_path={ckpt}",
-                       match=["is another architecture than this run's model", "hidden_size: checkpoint 64 vs config 128",
-                              "Resume with the config the checkpoint was trained with"], existing=("checkpoints",))
+    err = _fails_early(
+        tmp_path,
+        capsys,
+        "model.tiny.hidden_size=128",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={ckpt}",
+        match=[
+            "is another architecture than this run's model",
+            "hidden_size: checkpoint 64 vs config 128",
+            "Resume with the config the checkpoint was trained with",
+        ],
+        existing=("checkpoints",),
+    )
     assert "policy_v1" in err
 
 
@@ -141,16 +220,36 @@ def test_resume_with_a_changed_config_is_refused(tmp_path, capsys, tiny_checkpoi
     ckpt = tmp_path / "out" / "checkpoints" / "bad" / "policy_v1"
     shutil.copytree(tiny_checkpoint, ckpt)
     write_trainer_state(ckpt, trainer_state(load_config(CI), "bad", 1, 184))
-    _fails_early(tmp_path, capsys, "actor.optim.lr=0.5", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}",
-                 match=["was written under config hash", "would not continue the same run",
-                        "trainer.resume_allow_config_change=true"], existing=("checkpoints",))
+    _fails_early(
+        tmp_path,
+        capsys,
+        "actor.optim.lr=0.5",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={ckpt}",
+        match=[
+            "was written under config hash",
+            "would not continue the same run",
+            "trainer.resume_allow_config_change=true",
+        ],
+        existing=("checkpoints",),
+    )
 
 
 def _rollouts(texts: list[str], source: str) -> pd.DataFrame:
     n = len(texts)
-    return pd.DataFrame({"rollout_id": range(n), "group_id": [0] * n, "policy_version": 0, "data_source": source,
-                         "response_text": texts, "ground_truth": ["1"] * n, "response_length": [2] * n,
-                         "prompt_token_ids": [[5, 6]] * n, "response_token_ids": [[7, 8]] * n})
+    return pd.DataFrame(
+        {
+            "rollout_id": range(n),
+            "group_id": [0] * n,
+            "policy_version": 0,
+            "data_source": source,
+            "response_text": texts,
+            "ground_truth": ["1"] * n,
+            "response_length": [2] * n,
+            "prompt_token_ids": [[5, 6]] * n,
+            "response_token_ids": [[7, 8]] * n,
+        }
+    )
 
 
 @pytest.fixture
@@ -171,8 +270,11 @@ def test_reward_that_raises_stops_the_run_naming_the_rollout(broken_reward) -> N
     from configs.schema import RewardConfig
     from stages.reward import score_rollouts
 
-    with pytest.raises(ValueError, match=r"reward function broken for data_source 'test/broken' failed on rollout 1: "
-                                         r"parser crashed\. Fix the function or set reward.on_error='flag'"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function broken for data_source 'test/broken' failed on rollout 1: "
+        r"parser crashed\. Fix the function or set reward.on_error='flag'",
+    ):
         score_rollouts(_rollouts(["ok", "boom"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)
     with pytest.raises(ValueError, match=r"failed on rollout 1: returned non-finite nan"):
         score_rollouts(_rollouts(["ok", "nan"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)
@@ -185,12 +287,15 @@ def test_reward_flagged_rows_are_kept_and_training_continues_without_them(broken
     from stages.advantage import compute_advantage_table, drop_flagged_rollouts
     from stages.reward import score_rollouts
 
-    scored = score_rollouts(_rollouts(["ok", "boom", "nan", "ok"], broken_reward), RewardConfig(on_error="flag"),
-                            use_ray=False)
+    scored = score_rollouts(
+        _rollouts(["ok", "boom", "nan", "ok"], broken_reward), RewardConfig(on_error="flag"), use_ray=False
+    )
     assert len(scored) == 4 and scored["reward"].iloc[[0, 3]].tolist() == [1.0, 1.0]
     assert scored["reward_error"].iloc[1] == "RuntimeError: parser crashed"
     assert "non-finite" in scored["reward_error"].iloc[2] and scored["reward"].iloc[1:3].isna().all()
-    with pytest.raises(ValueError, match=r"non-finite rewards for rollouts \[1, 2\] \(see reward_error in scored_rollouts\)"):
+    with pytest.raises(
+        ValueError, match=r"non-finite rewards for rollouts \[1, 2\] \(see reward_error in scored_rollouts\)"
+    ):
         compute_advantage_table(scored, AlgorithmConfig())
     kept, dropped = drop_flagged_rollouts(scored)
     assert dropped == 2 and kept["rollout_id"].tolist() == [0, 3]

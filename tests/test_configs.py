@@ -1,5 +1,6 @@
 """Every YAML in configs/ validates; the generated defaults file is current; bad configs fail clearly;
 overlays (`defaults:`) compose in order and hold only differences; verl names and `rlake config`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,12 @@ def test_every_yaml_validates(path: Path) -> None:
     assert isinstance(cfg, RunConfig)
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if not p.name.startswith("_") and p not in OVERLAYS],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in CONFIGS if not p.name.startswith("_") and p not in OVERLAYS], ids=lambda p: p.name
+)
 def test_yaml_mirrors_model_one_to_one(path: Path) -> None:
     """Each full (non-generated, non-overlay) YAML spells out every field, with the model's nesting."""
+
     def keys(tree: dict, prefix: str = "") -> set[str]:
         out = set()
         for k, v in tree.items():
@@ -32,6 +35,7 @@ def test_yaml_mirrors_model_one_to_one(path: Path) -> None:
             if isinstance(v, dict):
                 out |= keys(v, prefix + k + ".")
         return out
+
     assert keys(yaml.safe_load(path.read_text())) == keys(RunConfig().model_dump(mode="json"))
 
 
@@ -128,10 +132,12 @@ def test_base_cycle_is_an_error(tmp_path: Path) -> None:
 def test_missing_base_names_the_file_and_the_choices(tmp_path: Path) -> None:
     _write(tmp_path, "present", "seed: 1\n")
     top = _write(tmp_path, "top", "defaults: [absent]\n")
-    with pytest.raises(FileNotFoundError, match=r"base config 'absent' in the defaults of .*top.yaml' does not exist"
-                                                 r".*use one of \['present', 'top'\]"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"base config 'absent' in the defaults of .*top.yaml' does not exist"
+        r".*use one of \['present', 'top'\]",
+    ):
         load_config(top)
-
 
 
 def test_defaults_entries_are_names_with_an_optional_final_self(tmp_path: Path) -> None:
@@ -142,36 +148,47 @@ def test_defaults_entries_are_names_with_an_optional_final_self(tmp_path: Path) 
     with pytest.raises(ValueError, match="must be a config name or a list of names"):
         load_config(_write(tmp_path, "hydra", "defaults: [{actor: dp_actor}]\n"))
 
-@pytest.mark.parametrize("verl, rlake, value", [
-    ("actor_rollout_ref.rollout.n", "rollout.n", "16"),
-    ("actor_rollout_ref.rollout.temperature", "rollout.temperature", "0.7"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size", "16"),
-    ("actor_rollout_ref.actor.optim.lr", "actor.optim.lr", "3e-4"),
-    ("actor_rollout_ref.actor.kl_loss_coef", "actor.kl_loss_coef", "0.01"),
-    ("actor_rollout_ref.model.path", "model.path", "/ckpt/qwen"),
-])
+
+@pytest.mark.parametrize(
+    "verl, rlake, value",
+    [
+        ("actor_rollout_ref.rollout.n", "rollout.n", "16"),
+        ("actor_rollout_ref.rollout.temperature", "rollout.temperature", "0.7"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size", "16"),
+        ("actor_rollout_ref.actor.optim.lr", "actor.optim.lr", "3e-4"),
+        ("actor_rollout_ref.actor.kl_loss_coef", "actor.kl_loss_coef", "0.01"),
+        ("actor_rollout_ref.model.path", "model.path", "/ckpt/qwen"),
+    ],
+)
 def test_verl_override_equals_the_rlake_key(verl: str, rlake: str, value: str) -> None:
     assert load_config(None, [f"{verl}={value}"]) == load_config(None, [f"{rlake}={value}"])
 
 
 def test_verl_names_in_a_yaml_file(tmp_path: Path) -> None:
     tiny = CONFIGS[0].parent / "tiny_cpu.yaml"
-    verl = _write(tmp_path, "verl", f"defaults: [{tiny}]\nactor_rollout_ref:\n  rollout: {{n: 16}}\n"
-                                    "  actor: {optim: {lr: 3.0e-4}, use_kl_loss: true}\n")
+    verl = _write(
+        tmp_path,
+        "verl",
+        f"defaults: [{tiny}]\nactor_rollout_ref:\n  rollout: {{n: 16}}\n"
+        "  actor: {optim: {lr: 3.0e-4}, use_kl_loss: true}\n",
+    )
     assert load_config(verl) == load_config(tiny, ["rollout.n=16", "actor.optim.lr=3e-4", "actor.use_kl_loss=true"])
     both = _write(tmp_path, "both", "rollout: {n: 4}\nactor_rollout_ref: {rollout: {n: 16}}\n")
     with pytest.raises(ValueError, match="'rollout.n' is set twice, directly and as verl's"):
         load_config(both)
 
 
-@pytest.mark.parametrize("key, hint", [
-    ("actor_rollout_ref.rollout.nn", "did you mean 'rollout.n'?"),
-    ("actor.optm.lr", "did you mean 'actor.optim.lr'?"),
-    ("ppo_mini_batch", "did you mean 'actor.ppo_mini_batch_size'?"),
-    ("critic.optim.lrr", "did you mean 'critic.optim.lr'?"),
-    ("actor_rollout_ref.rollout.gpu_memory_utilization", "maps to rlake's rollout.*, which has no such key"),
-    ("actor_rollout_ref.ref.log_prob_micro_batch_size", "actor_rollout_ref.ref.* has no rlake counterpart"),
-])
+@pytest.mark.parametrize(
+    "key, hint",
+    [
+        ("actor_rollout_ref.rollout.nn", "did you mean 'rollout.n'?"),
+        ("actor.optm.lr", "did you mean 'actor.optim.lr'?"),
+        ("ppo_mini_batch", "did you mean 'actor.ppo_mini_batch_size'?"),
+        ("critic.optim.lrr", "did you mean 'critic.optim.lr'?"),
+        ("actor_rollout_ref.rollout.gpu_memory_utilization", "maps to rlake's rollout.*, which has no such key"),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size", "actor_rollout_ref.ref.* has no rlake counterpart"),
+    ],
+)
 def test_unknown_key_says_what_why_and_the_closest_key(key: str, hint: str) -> None:
     with pytest.raises(ValidationError) as info:
         load_config(None, [f"{key}=4"])

@@ -16,6 +16,7 @@ Deviations from verl, all in groups of one rollout (which verl leaves at the raw
 grpo, rloo, opo and reinforce_plus_plus_baseline give them advantage 0 (nothing to compare to).
 Outputs are 0 wherever the mask is 0.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,12 +48,12 @@ def group_mean_std(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, T
     mean = total / count  # (K,)
     sq = zeros.index_add(0, inverse, (v - mean[inverse]) ** 2)  # (K,)
     var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.ones_like(sq))
-    return (mean[inverse].to(values.dtype), var.sqrt()[inverse].to(values.dtype),
-            count[inverse].to(values.dtype))
+    return (mean[inverse].to(values.dtype), var.sqrt()[inverse].to(values.dtype), count[inverse].to(values.dtype))
 
 
-def compute_grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6,
-                            scale_by_std: bool = True) -> Tensor:
+def compute_grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6, scale_by_std: bool = True
+) -> Tensor:
     """Group-relative outcome advantage (GRPO; Dr.GRPO when scale_by_std=False).
 
     Args:
@@ -151,8 +152,9 @@ def compute_opo_advantages(rewards: Tensor, response_lengths: Tensor, group_ids:
     return torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
 
 
-def compute_reinforce_plus_plus_advantages(token_level_rewards: Tensor, response_mask: Tensor,
-                                           gamma: float = 1.0) -> tuple[Tensor, Tensor]:
+def compute_reinforce_plus_plus_advantages(
+    token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted return-to-go per token, whitened over the whole batch.
 
     Hu 2025, https://arxiv.org/abs/2501.03262. G_t = r_t + gamma * G_{t+1}; the running return
@@ -165,8 +167,7 @@ def compute_reinforce_plus_plus_advantages(token_level_rewards: Tensor, response
     Returns:
         advantages (N, L) whitened, returns (N, L) unwhitened; both 0 where the mask is 0.
     """
-    assert token_level_rewards.shape == response_mask.shape, (
-        f"{token_level_rewards.shape=} {response_mask.shape=}")
+    assert token_level_rewards.shape == response_mask.shape, f"{token_level_rewards.shape=} {response_mask.shape=}"
     with torch.no_grad():
         counted = response_mask > 0  # (N, L)
         rewards = torch.where(counted, token_level_rewards, torch.zeros_like(token_level_rewards))
@@ -181,8 +182,9 @@ def compute_reinforce_plus_plus_advantages(token_level_rewards: Tensor, response
     return advantages, returns
 
 
-def compute_reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_ids: Tensor,
-                                                    response_mask: Tensor) -> Tensor:
+def compute_reinforce_plus_plus_baseline_advantages(
+    rewards: Tensor, group_ids: Tensor, response_mask: Tensor
+) -> Tensor:
     """REINFORCE++-baseline: group-mean-subtracted outcome, broadcast, whitened over the batch.
 
     Hu 2025, https://arxiv.org/abs/2501.03262 (the "baseline" variant for reasoning tasks).
@@ -200,8 +202,9 @@ def compute_reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_ids: 
     return masked_whiten(tokens, response_mask) * response_mask
 
 
-def compute_remax_advantages(token_level_rewards: Tensor, baseline_rewards: Tensor,
-                             response_mask: Tensor) -> tuple[Tensor, Tensor]:
+def compute_remax_advantages(
+    token_level_rewards: Tensor, baseline_rewards: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """ReMax: return-to-go minus the reward of the greedy response to the same prompt.
 
     Li et al. 2023, https://arxiv.org/abs/2310.10505.
@@ -213,8 +216,7 @@ def compute_remax_advantages(token_level_rewards: Tensor, baseline_rewards: Tens
     Returns:
         advantages (N, L), returns (N, L) undiscounted return-to-go; 0 where the mask is 0.
     """
-    assert baseline_rewards.shape == response_mask.shape[:1], (
-        f"{baseline_rewards.shape=} {response_mask.shape=}")
+    assert baseline_rewards.shape == response_mask.shape[:1], f"{baseline_rewards.shape=} {response_mask.shape=}"
     masked = token_level_rewards * response_mask  # (N, L)
     returns = masked.flip(-1).cumsum(-1).flip(-1) * response_mask  # (N, L)
     return returns - baseline_rewards[:, None] * response_mask, returns
@@ -239,8 +241,9 @@ class AdvantageInputs:
         """The named optional tensor, or a ValueError saying who needs it and why."""
         value = getattr(self, field)
         if value is None:
-            raise ValueError(f"adv_estimator '{self.name}' needs {field}, because {why}; "
-                             f"pass {field}=... to compute_advantages.")
+            raise ValueError(
+                f"adv_estimator '{self.name}' needs {field}, because {why}; pass {field}=... to compute_advantages."
+            )
         return value
 
     def scores(self) -> Tensor:
@@ -257,21 +260,20 @@ def _gae(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
 
 
 def _grpo(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    adv = compute_grpo_advantages(a.scores(), a.need("group_ids", _GROUPS), eps=a.eps,
-                                  scale_by_std=a.norm_adv_by_std_in_grpo)
+    adv = compute_grpo_advantages(
+        a.scores(), a.need("group_ids", _GROUPS), eps=a.eps, scale_by_std=a.norm_adv_by_std_in_grpo
+    )
     tokens = broadcast_to_tokens(adv, a.response_mask)
     return tokens, tokens
 
 
 def _rloo(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    tokens = broadcast_to_tokens(compute_rloo_advantages(
-        a.scores(), a.need("group_ids", _GROUPS)), a.response_mask)
+    tokens = broadcast_to_tokens(compute_rloo_advantages(a.scores(), a.need("group_ids", _GROUPS)), a.response_mask)
     return tokens, tokens
 
 
 def _opo(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    adv = compute_opo_advantages(a.scores(), a.response_mask.sum(dim=-1),
-                                 a.need("group_ids", _GROUPS))
+    adv = compute_opo_advantages(a.scores(), a.response_mask.sum(dim=-1), a.need("group_ids", _GROUPS))
     tokens = broadcast_to_tokens(adv, a.response_mask)
     return tokens, tokens
 
@@ -281,8 +283,7 @@ def _reinforce_pp(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
 
 
 def _reinforce_pp_baseline(a: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    tokens = compute_reinforce_plus_plus_baseline_advantages(
-        a.scores(), a.need("group_ids", _GROUPS), a.response_mask)
+    tokens = compute_reinforce_plus_plus_baseline_advantages(a.scores(), a.need("group_ids", _GROUPS), a.response_mask)
     return tokens, tokens
 
 
@@ -302,11 +303,19 @@ ADV_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[Tensor, Tensor]]] = 
 }
 
 
-def compute_advantages(name: str, *, token_level_rewards: Tensor, response_mask: Tensor,
-                       group_ids: Tensor | None = None, values: Tensor | None = None,
-                       baseline_rewards: Tensor | None = None, gamma: float = 1.0,
-                       lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
-                       eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def compute_advantages(
+    name: str,
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_ids: Tensor | None = None,
+    values: Tensor | None = None,
+    baseline_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """Token-level advantages and returns by verl estimator name (`algorithm.adv_estimator`).
 
     Args:
@@ -326,9 +335,18 @@ def compute_advantages(name: str, *, token_level_rewards: Tensor, response_mask:
     """
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"Unknown adv_estimator '{name}'. Valid: {sorted(ADV_ESTIMATORS)}")
-    assert token_level_rewards.shape == response_mask.shape, (
-        f"{token_level_rewards.shape=} {response_mask.shape=}")
-    inputs = AdvantageInputs(name, token_level_rewards, response_mask, group_ids, values,
-                             baseline_rewards, gamma, lam, norm_adv_by_std_in_grpo, eps)
+    assert token_level_rewards.shape == response_mask.shape, f"{token_level_rewards.shape=} {response_mask.shape=}"
+    inputs = AdvantageInputs(
+        name,
+        token_level_rewards,
+        response_mask,
+        group_ids,
+        values,
+        baseline_rewards,
+        gamma,
+        lam,
+        norm_adv_by_std_in_grpo,
+        eps,
+    )
     with torch.no_grad():
         return ADV_ESTIMATORS[name](inputs)

@@ -6,14 +6,14 @@ L response len, T = P+L, V vocab. Masks are float {0,1}, 1 = counted in the loss
 Yu et al. 2025, https://arxiv.org/abs/2503.14476. Clip-higher is losses.compute_policy_loss's
 clip_ratio_high and token-level loss is loss_agg_mode="token-mean"; this module holds the rest.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 
-def filter_groups_by_variance(scores: Tensor, group_ids: Tensor, *,
-                              keep_singletons: bool = False) -> Tensor:
+def filter_groups_by_variance(scores: Tensor, group_ids: Tensor, *, keep_singletons: bool = False) -> Tensor:
     """Dynamic sampling: keep only groups whose scores are not all equal.
 
     DAPO section 3.2: a group where every rollout got the same reward (all correct or all
@@ -40,8 +40,9 @@ def filter_groups_by_variance(scores: Tensor, group_ids: Tensor, *,
     return keep[inverse]  # (N,)
 
 
-def overlong_reward_penalty(response_lengths: Tensor, max_response_length: int,
-                            overlong_buffer_len: int, penalty_factor: float = 1.0) -> Tensor:
+def overlong_reward_penalty(
+    response_lengths: Tensor, max_response_length: int, overlong_buffer_len: int, penalty_factor: float = 1.0
+) -> Tensor:
     """Soft overlong punishment, added to the task reward (DAPO eq. 13, verl's overlong_buffer).
 
     With L_max = max_response_length and L_cache = overlong_buffer_len:
@@ -57,9 +58,11 @@ def overlong_reward_penalty(response_lengths: Tensor, max_response_length: int,
         (N,) float penalty in [-penalty_factor, 0].
     """
     if not 0 < overlong_buffer_len <= max_response_length:
-        raise ValueError(f"overlong_buffer_len ({overlong_buffer_len}) must be in "
-                         f"(0, max_response_length={max_response_length}], because the penalty "
-                         "ramps over the last overlong_buffer_len tokens; lower it.")
+        raise ValueError(
+            f"overlong_buffer_len ({overlong_buffer_len}) must be in "
+            f"(0, max_response_length={max_response_length}], because the penalty "
+            "ramps over the last overlong_buffer_len tokens; lower it."
+        )
     expected = max_response_length - overlong_buffer_len
     exceed = (response_lengths.to(torch.float32) - expected) / overlong_buffer_len  # (N,)
     return -exceed.clamp(min=0.0, max=1.0) * penalty_factor

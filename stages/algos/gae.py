@@ -13,6 +13,7 @@ Choices (verl's `compute_gae_advantage_return`):
 - Deviation: both outputs are 0 where the mask is 0 (verl leaves carried values there), so the
   outputs do not depend on anything at masked positions.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,15 @@ from torch import Tensor
 from stages.algos.masking import masked_whiten
 
 
-def compute_gae_advantages(token_level_rewards: Tensor, values: Tensor, response_mask: Tensor,
-                           gamma: float = 1.0, lam: float = 1.0, *,
-                           whiten: bool = True) -> tuple[Tensor, Tensor]:
+def compute_gae_advantages(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    *,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:
     """GAE(gamma, lambda) advantages and lambda-returns per token.
 
     Schulman et al. 2016, https://arxiv.org/abs/1506.02438:
@@ -41,7 +48,8 @@ def compute_gae_advantages(token_level_rewards: Tensor, values: Tensor, response
         advantages (N, L), returns (N, L); both 0 where the mask is 0.
     """
     assert token_level_rewards.shape == values.shape == response_mask.shape, (
-        f"{token_level_rewards.shape=} {values.shape=} {response_mask.shape=}")
+        f"{token_level_rewards.shape=} {values.shape=} {response_mask.shape=}"
+    )
     with torch.no_grad():
         counted = response_mask > 0  # (N, L) bool
         zero = torch.zeros_like(token_level_rewards[:, 0])  # (N,)

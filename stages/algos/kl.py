@@ -11,6 +11,7 @@ from full (N, L, V) log-distributions.
 The KL is used either as a loss term (actor.use_kl_loss, masked mean of compute_kl_penalty) or in
 the reward (algorithm.use_kl_in_reward, apply_kl_penalty before the advantage estimator).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,9 +50,14 @@ def compute_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Ten
     raise ValueError(f"Unknown KL estimator '{kind}'. Valid: {list(KL_ESTIMATORS)}")
 
 
-def apply_kl_penalty(token_level_scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
-                     response_mask: Tensor, kl_coef: float, kind: str = "k1",
-                     ) -> tuple[Tensor, dict[str, float]]:
+def apply_kl_penalty(
+    token_level_scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: str = "k1",
+) -> tuple[Tensor, dict[str, float]]:
     """KL in the reward: r_t = score_t - beta * KL_t on counted tokens (verl `apply_kl_penalty`).
 
     Ziegler et al. 2019, https://arxiv.org/abs/1909.08593 (per-token KL-shaped reward).
@@ -72,6 +78,5 @@ def apply_kl_penalty(token_level_scores: Tensor, logprobs: Tensor, ref_logprobs:
         kld = compute_kl_penalty(logprobs, ref_logprobs, kind) * response_mask  # (N, L)
         rewards = token_level_scores - kl_coef * kld
         current_kl = masked_mean(kld, response_mask, dim=-1).mean()  # per rollout, then mean
-    metrics = {"actor/reward_kl_penalty": float(current_kl),
-               "actor/reward_kl_penalty_coeff": float(kl_coef)}
+    metrics = {"actor/reward_kl_penalty": float(current_kl), "actor/reward_kl_penalty_coeff": float(kl_coef)}
     return rewards, metrics

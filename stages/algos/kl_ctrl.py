@@ -7,6 +7,7 @@ No tensors here: a controller holds beta (`value`) and updates it once per itera
 measured KL (actor/reward_kl_penalty of kl.apply_kl_penalty). `value` is plain state the
 pipeline must checkpoint to resume exactly.
 """
+
 from __future__ import annotations
 
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -31,8 +32,10 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got "
-                             f"target_kl={target_kl}, horizon={horizon}; verl uses 0.1 and 10000.")
+            raise ValueError(
+                f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got "
+                f"target_kl={target_kl}, horizon={horizon}; verl uses 0.1 and 10000."
+            )
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = int(horizon)
@@ -48,8 +51,9 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def make_kl_controller(kind: str, *, kl_coef: float, target_kl: float = 0.1,
-                       horizon: int = 10000) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(
+    kind: str, *, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
     """The controller named by algorithm.kl_ctrl.type.
 
     Args:

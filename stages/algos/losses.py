@@ -16,6 +16,7 @@ Choices (verl's core_algos semantics):
 - POLICY_LOSS_FNS maps verl's `policy_loss.loss_mode` names (vanilla, gspo) to functions with one
   shared signature.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,16 +26,22 @@ from torch import Tensor
 
 from stages.algos.masking import masked_mean
 
-__all__ = ["LOSS_AGG_MODES", "POLICY_LOSS_FNS", "aggregate_loss", "compute_policy_loss",
-           "compute_policy_loss_gspo", "entropy_from_logits", "gather_logprobs",
-           "get_policy_loss_fn", "masked_mean"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "POLICY_LOSS_FNS",
+    "aggregate_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_gspo",
+    "entropy_from_logits",
+    "gather_logprobs",
+    "get_policy_loss_fn",
+    "masked_mean",
+]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, mode: str, *,
-                   norm_length: int | None = None) -> Tensor:
+def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, mode: str, *, norm_length: int | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar.
 
     Args:
@@ -58,10 +65,17 @@ def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, mode: str, *,
     raise ValueError(f"Unknown loss_agg_mode '{mode}'. Valid: {list(LOSS_AGG_MODES)}")
 
 
-def compute_policy_loss(old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor,
-                        response_mask: Tensor, *, clip_ratio_low: float = 0.2,
-                        clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-                        loss_agg_mode: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
+def compute_policy_loss(
+    old_logprobs: Tensor,
+    logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip; verl's "vanilla" loss mode.
 
     Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher from DAPO; dual clip from
@@ -77,8 +91,9 @@ def compute_policy_loss(old_logprobs: Tensor, logprobs: Tensor, advantages: Tens
         actor/ppo_kl.
     """
     if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual clip bounds -A * clip_ratio_c), "
-                         f"got {clip_ratio_c}; verl's default is 3.0.")
+        raise ValueError(
+            f"clip_ratio_c must be > 1 (dual clip bounds -A * clip_ratio_c), got {clip_ratio_c}; verl's default is 3.0."
+        )
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # (N, L)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -99,11 +114,17 @@ def compute_policy_loss(old_logprobs: Tensor, logprobs: Tensor, advantages: Tens
     return loss, metrics
 
 
-def compute_policy_loss_gspo(old_logprobs: Tensor, logprobs: Tensor, advantages: Tensor,
-                             response_mask: Tensor, *, clip_ratio_low: float = 3e-4,
-                             clip_ratio_high: float = 4e-4, clip_ratio_c: float = 3.0,
-                             loss_agg_mode: str = "seq-mean-token-mean",
-                             ) -> tuple[Tensor, dict[str, float]]:
+def compute_policy_loss_gspo(
+    old_logprobs: Tensor,
+    logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+) -> tuple[Tensor, dict[str, float]]:
     """GSPO: PPO clipping on a length-normalized sequence ratio (verl's "gspo" loss mode).
 
     Zheng et al. 2025, https://arxiv.org/abs/2507.18071. s_i = exp(mean_t log(pi / pi_old)) over
@@ -135,8 +156,7 @@ def compute_policy_loss_gspo(old_logprobs: Tensor, logprobs: Tensor, advantages:
     with torch.no_grad():
         metrics = {
             "actor/pg_loss": float(loss.detach()),
-            "actor/pg_clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(),
-                                                   response_mask)),
+            "actor/pg_clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(), response_mask)),
             "actor/pg_clipfrac_lower": 0.0,
             "actor/ppo_kl": float(masked_mean(-log_ratio, response_mask)),
         }

@@ -7,6 +7,7 @@ Whitening follows verl's `masked_whiten`: mean and unbiased (Bessel-corrected) v
 masked entries, `(x - mean) * rsqrt(var + 1e-8)`. A mask with fewer than two entries gets no
 Bessel correction (verl raises instead).
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,7 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor
     return var
 
 
-def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True,
-                  eps: float = 1e-8) -> Tensor:
+def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Standardize values with the masked mean and unbiased variance (verl semantics).
 
     Args:

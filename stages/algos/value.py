@@ -7,6 +7,7 @@ Choices (verl's `compute_value_loss`): the new prediction is clipped to within c
 the rollout-time value, the per-token loss is the larger of the clipped and unclipped squared
 errors, and the aggregate is halved (0.5 * MSE).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,14 @@ from stages.algos.losses import aggregate_loss
 from stages.algos.masking import masked_mean
 
 
-def compute_value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, response_mask: Tensor,
-                       cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
-                       ) -> tuple[Tensor, dict[str, float]]:
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    old_values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss with value clipping.
 
     Schulman et al. 2017, https://arxiv.org/abs/1707.06347 (value clipping as in OpenAI baselines
@@ -36,7 +42,8 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, resp
         the clipped error is the larger), critic/vpred_mean.
     """
     assert vpreds.shape == returns.shape == old_values.shape == response_mask.shape, (
-        f"{vpreds.shape=} {returns.shape=} {old_values.shape=} {response_mask.shape=}")
+        f"{vpreds.shape=} {returns.shape=} {old_values.shape=} {response_mask.shape=}"
+    )
     # clamp vpreds itself (verl's clip_by_value): a prediction inside the range comes back bit-exact, so
     # clipfrac counts real clipping only (old + (v - old) differs from v by rounding and made clipfrac noise)
     vpred_clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)  # (N, L)
@@ -47,8 +54,7 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, resp
     with torch.no_grad():
         metrics = {
             "critic/vf_loss": float(loss.detach()),
-            "critic/vf_clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(),
-                                                    response_mask)),
+            "critic/vf_clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(), response_mask)),
             "critic/vpred_mean": float(masked_mean(vpreds, response_mask)),
         }
     return loss, metrics

@@ -4,6 +4,7 @@ verl row: data_source (str), prompt (list of {role, content}), ability (str),
 reward_model {style, ground_truth}, extra_info (dict). The synthetic task writes the same format,
 so a user can swap in GSM8K parquet files without touching code.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,15 @@ def make_arith_rows(pairs: list[tuple[int, str, int]], split: str) -> list[dict]
     rows = []
     for i, (a, op, b) in enumerate(pairs):
         answer = a + b if op == "+" else a - b
-        rows.append({
-            "data_source": ARITH_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"split": split, "index": i, "answer": f"#### {answer}"},
-        })
+        rows.append(
+            {
+                "data_source": ARITH_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": i, "answer": f"#### {answer}"},
+            }
+        )
     return rows
 
 
@@ -40,14 +43,15 @@ def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     cfg: configs.schema.SyntheticTaskConfig.
     """
     rng = random.Random(cfg.seed)
-    space = [(a, op, b) for op in cfg.operators for a in range(cfg.max_operand + 1)
-             for b in range(cfg.max_operand + 1)]
+    space = [(a, op, b) for op in cfg.operators for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     if cfg.num_val + 1 > len(space):
-        raise ValueError(f"synthetic.num_val ({cfg.num_val}) leaves no training problems in a space of "
-                         f"{len(space)}; raise synthetic.max_operand or lower num_val")
+        raise ValueError(
+            f"synthetic.num_val ({cfg.num_val}) leaves no training problems in a space of "
+            f"{len(space)}; raise synthetic.max_operand or lower num_val"
+        )
     rng.shuffle(space)
-    val, rest = space[:cfg.num_val], space[cfg.num_val:]
-    train = [rest[i % len(rest)] for i in range(cfg.num_train)] if cfg.num_train > len(rest) else rest[:cfg.num_train]
+    val, rest = space[: cfg.num_val], space[cfg.num_val :]
+    train = [rest[i % len(rest)] for i in range(cfg.num_train)] if cfg.num_train > len(rest) else rest[: cfg.num_train]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -69,11 +73,14 @@ def _check_row_types(df: pd.DataFrame, path: str) -> None:
     for i, (prompt, rm) in enumerate(zip(df["prompt"], df["reward_model"])):
         msgs = list(prompt) if prompt is not None else None
         if not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise ValueError(f"{path}: row {i} column 'prompt' must be a non-empty list of "
-                             f"{{role, content}} messages (verl format), got {prompt!r}")
+            raise ValueError(
+                f"{path}: row {i} column 'prompt' must be a non-empty list of "
+                f"{{role, content}} messages (verl format), got {prompt!r}"
+            )
         if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-            raise ValueError(f"{path}: row {i} column 'reward_model' must be a struct with a "
-                             f"'ground_truth' field, got {rm!r}")
+            raise ValueError(
+                f"{path}: row {i} column 'reward_model' must be a struct with a 'ground_truth' field, got {rm!r}"
+            )
 
 
 def read_verl_parquet(path: str | Path, split: str) -> pd.DataFrame:
@@ -84,26 +91,35 @@ def read_verl_parquet(path: str | Path, split: str) -> pd.DataFrame:
     cols = pq.read_schema(p).names
     missing = [c for c in REQUIRED_COLUMNS if c not in cols]
     if missing:
-        raise ValueError(f"{p}: missing verl columns {missing}; found {cols}. Each row needs "
-                         f"{list(REQUIRED_COLUMNS)} (see verl's data preprocessing docs).")
+        raise ValueError(
+            f"{p}: missing verl columns {missing}; found {cols}. Each row needs "
+            f"{list(REQUIRED_COLUMNS)} (see verl's data preprocessing docs)."
+        )
     df = pd.read_parquet(p)
     if not len(df):
         raise ValueError(f"{p}: no rows")
     _check_row_types(df, str(p))  # before normalising: a malformed message is a clear error, not a KeyError
-    df["prompt"] = [[{"role": str(m["role"]), "content": str(m["content"])} for m in msgs] if msgs is not None
-                    else None for msgs in df["prompt"]]
+    df["prompt"] = [
+        [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs] if msgs is not None else None
+        for msgs in df["prompt"]
+    ]
     _check_row_types(df, str(p))
-    return pd.DataFrame({
-        "split": split,
-        "data_source": df["data_source"].astype(str),
-        "prompt": df["prompt"],
-        "ability": df["ability"].astype(str),
-        "reward_model": [{"style": str(r.get("style", "rule")), "ground_truth": str(r["ground_truth"])}
-                         for r in df["reward_model"]],
-        "extra_info": [json.dumps(x if isinstance(x, dict) else {}, default=str, sort_keys=True)
-                       for x in df["extra_info"]],
-        "source_file": str(p),
-    })
+    return pd.DataFrame(
+        {
+            "split": split,
+            "data_source": df["data_source"].astype(str),
+            "prompt": df["prompt"],
+            "ability": df["ability"].astype(str),
+            "reward_model": [
+                {"style": str(r.get("style", "rule")), "ground_truth": str(r["ground_truth"])}
+                for r in df["reward_model"]
+            ],
+            "extra_info": [
+                json.dumps(x if isinstance(x, dict) else {}, default=str, sort_keys=True) for x in df["extra_info"]
+            ],
+            "source_file": str(p),
+        }
+    )
 
 
 def load_prompt_rows(train_files: list[str], val_files: list[str]) -> pd.DataFrame:
@@ -114,8 +130,9 @@ def load_prompt_rows(train_files: list[str], val_files: list[str]) -> pd.DataFra
     return df
 
 
-def sample_prompt_batch(train_ids: list[int], iteration: int, batch_size: int, *, seed: int,
-                        shuffle: bool) -> list[tuple[int, int, int]]:
+def sample_prompt_batch(
+    train_ids: list[int], iteration: int, batch_size: int, *, seed: int, shuffle: bool
+) -> list[tuple[int, int, int]]:
     """The (prompt_id, epoch, position) triples of iteration `iteration`: a cursor over epochs.
 
     Iteration i takes positions [i*bs, (i+1)*bs) of the concatenation of per-epoch orders, each
@@ -123,8 +140,9 @@ def sample_prompt_batch(train_ids: list[int], iteration: int, batch_size: int, *
     """
     n = len(train_ids)
     if n < batch_size:
-        raise ValueError(f"data.train_batch_size ({batch_size}) exceeds the {n} training prompts; "
-                         "lower train_batch_size or add data")
+        raise ValueError(
+            f"data.train_batch_size ({batch_size}) exceeds the {n} training prompts; lower train_batch_size or add data"
+        )
     orders: dict[int, list[int]] = {}
     out = []
     for pos in range(iteration * batch_size, (iteration + 1) * batch_size):

@@ -9,6 +9,7 @@
   of degrees, trailing `.`), exact compare.
 - rlake/arith, rlake/gsm8k_synth (the synthetic tasks): gsm8k semantics.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,10 @@ GSM8K_METHODS = ("strict", "flexible")
 def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
     """The answer verl's gsm8k scorer extracts from `text` under `method`, or None."""
     if method not in GSM8K_METHODS:
-        raise ValueError(f"gsm8k answer extraction method '{method}' is not one of {GSM8K_METHODS}; "
-                         "set reward.gsm8k_method to 'strict' (needs '#### N') or 'flexible' (last number).")
+        raise ValueError(
+            f"gsm8k answer extraction method '{method}' is not one of {GSM8K_METHODS}; "
+            "set reward.gsm8k_method to 'strict' (needs '#### N') or 'flexible' (last number)."
+        )
     tail = text[-_SOLUTION_CLIP_CHARS:]
     if method == "strict":
         found = _GSM8K_STRICT_RE.findall(tail)
@@ -34,8 +37,14 @@ def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "str
     return numbers[-1] if numbers else None
 
 
-def score_gsm8k(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0,
-                method: Literal["strict", "flexible"] = "strict") -> float:
+def score_gsm8k(
+    response: str,
+    ground_truth: str,
+    *,
+    format_score: float = 0.0,
+    score: float = 1.0,
+    method: Literal["strict", "flexible"] = "strict",
+) -> float:
     answer = extract_gsm8k_answer(response, method)
     if answer is None:
         return 0.0
@@ -54,14 +63,25 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 
 def normalize_math(s: str) -> str:
     s = s.strip()
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("tfrac", "frac"), ("dfrac", "frac"),
-                     ("^\\circ", ""), ("^{\\circ}", ""), ("\\$", ""), ("$", ""), (" ", ""), ("\n", "")):
+    for old, new in (
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("^\\circ", ""),
+        ("^{\\circ}", ""),
+        ("\\$", ""),
+        ("$", ""),
+        (" ", ""),
+        ("\n", ""),
+    ):
         s = s.replace(old, new)
     s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
     s = s.rstrip(".")
@@ -92,5 +112,7 @@ def reward_fn_for(data_source: str) -> Callable[..., float]:
     try:
         return REWARD_FNS[data_source]
     except KeyError:
-        raise ValueError(f"No reward function for data_source '{data_source}'. Known: {sorted(REWARD_FNS)}; "
-                         "register one in stages.data.rewards.REWARD_FNS or fix the dataset's data_source.") from None
+        raise ValueError(
+            f"No reward function for data_source '{data_source}'. Known: {sorted(REWARD_FNS)}; "
+            "register one in stages.data.rewards.REWARD_FNS or fix the dataset's data_source."
+        ) from None

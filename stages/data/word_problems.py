@@ -8,6 +8,7 @@ computed from the same numbers, and the worked solution in `extra_info.answer` e
 the gsm8k rule (stages/data/rewards.py, data_source `rlake/gsm8k_synth`). Train and validation splits
 never share a question text.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,7 @@ import pandas as pd
 from stages import seeds
 
 WORD_PROBLEM_SOURCE = "rlake/gsm8k_synth"
-INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 NAMES = ["Tom", "Mia", "Sam", "Lena", "Omar", "Ana", "Ben", "Zoe", "Ivan", "Priya", "Leo", "Emma"]
 ITEMS = ["apples", "pencils", "books", "stickers", "cookies", "marbles", "cards", "shells"]
 
@@ -39,7 +40,10 @@ def shopping(rng: random.Random, m: int, steps: int) -> tuple[str, str, int]:
     sol = f"{a} * {p} = {cost}."
     if steps >= 2:
         bill = cost + _n(rng, 1, m)
-        q = f"{name} buys {a} {item} that cost ${p} each and pays with ${bill}. How many dollars of change does {name} get?"
+        q = (
+            f"{name} buys {a} {item} that cost ${p} each and pays with ${bill}. "
+            f"How many dollars of change does {name} get?"
+        )
         sol, cost = f"{a} * {p} = {cost}. {bill} - {cost} = {bill - cost}.", bill - cost
     return q, sol, cost
 
@@ -62,8 +66,10 @@ def rates(rng: random.Random, m: int, steps: int) -> tuple[str, str, int]:
     sol, ans = f"{r} * {h} = {r * h}.", r * h
     if steps >= 2:
         k = _n(rng, 1, r * h - 1)
-        q = (f"A machine makes {r} toys every hour. After {h} hours, {k} of the toys are broken. "
-             "How many toys are not broken?")
+        q = (
+            f"A machine makes {r} toys every hour. After {h} hours, {k} of the toys are broken. "
+            "How many toys are not broken?"
+        )
         sol, ans = f"{r} * {h} = {r * h}. {r * h} - {k} = {r * h - k}.", r * h - k
     return q, sol, ans
 
@@ -77,8 +83,10 @@ def collections(rng: random.Random, m: int, steps: int) -> tuple[str, str, int]:
     sol, ans = f"{a} - {b} = {a - b}.", a - b
     if steps >= 2:
         c = _n(rng, 1, m)
-        q = (f"{x} has {a} {item}. {x} gives {b} of them to {y} and then finds {c} more. "
-             f"How many {item} does {x} have now?")
+        q = (
+            f"{x} has {a} {item}. {x} gives {b} of them to {y} and then finds {c} more. "
+            f"How many {item} does {x} have now?"
+        )
         sol, ans = f"{a} - {b} = {a - b}. {a - b} + {c} = {a - b + c}.", a - b + c
     return q, sol, ans
 
@@ -91,8 +99,10 @@ def sharing(rng: random.Random, m: int, steps: int) -> tuple[str, str, int]:
     sol, ans = f"{total} / {k} = {each}.", each
     if steps >= 2:
         c = _n(rng, 1, each - 1)
-        q = (f"{name} shares {total} {item} equally among {k} friends, and each friend then loses {c}. "
-             f"How many {item} does each friend have left?")
+        q = (
+            f"{name} shares {total} {item} equally among {k} friends, and each friend then loses {c}. "
+            f"How many {item} does each friend have left?"
+        )
         sol, ans = f"{total} / {k} = {each}. {each} - {c} = {each - c}.", each - c
     return q, sol, ans
 
@@ -104,14 +114,22 @@ def travel(rng: random.Random, m: int, steps: int) -> tuple[str, str, int]:
     sol, ans = f"{s} * {h} = {s * h}.", s * h
     if steps >= 2:
         w = _n(rng, 1, m)
-        q = (f"{name} rides a bike at {s} miles per hour for {h} hours and then walks {w} more miles. "
-             f"How many miles does {name} travel in total?")
+        q = (
+            f"{name} rides a bike at {s} miles per hour for {h} hours and then walks {w} more miles. "
+            f"How many miles does {name} travel in total?"
+        )
         sol, ans = f"{s} * {h} = {s * h}. {s * h} + {w} = {s * h + w}.", s * h + w
     return q, sol, ans
 
 
-TEMPLATES: dict[str, Template] = {"shopping": shopping, "ages": ages, "rates": rates,
-                                  "collections": collections, "sharing": sharing, "travel": travel}
+TEMPLATES: dict[str, Template] = {
+    "shopping": shopping,
+    "ages": ages,
+    "rates": rates,
+    "collections": collections,
+    "sharing": sharing,
+    "travel": travel,
+}
 
 
 def fewshot_prefix(examples: list[tuple[str, str, str, int, int]]) -> str:
@@ -119,8 +137,9 @@ def fewshot_prefix(examples: list[tuple[str, str, str, int, int]]) -> str:
     return "".join(f"Question: {q}\nAnswer: {sol}\n#### {ans}\n\n" for _, q, sol, ans, _ in examples)
 
 
-def make_word_problem_row(question: str, solution: str, answer: int, *, template: str, steps: int,
-                          split: str, index: int, prefix: str = "") -> dict:
+def make_word_problem_row(
+    question: str, solution: str, answer: int, *, template: str, steps: int, split: str, index: int, prefix: str = ""
+) -> dict:
     """One verl-format row (as verl's gsm8k preprocessing writes it); `prefix`: few-shot examples."""
     content = f"{prefix}Question: {question} {INSTRUCTION}" if prefix else f"{question} {INSTRUCTION}"
     return {
@@ -128,20 +147,31 @@ def make_word_problem_row(question: str, solution: str, answer: int, *, template
         "prompt": [{"role": "user", "content": content}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
-        "extra_info": {"split": split, "index": index, "question": question, "answer": f"{solution}\n#### {answer}",
-                       "template": template, "steps": steps},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": question,
+            "answer": f"{solution}\n#### {answer}",
+            "template": template,
+            "steps": steps,
+        },
     }
 
 
-def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int,
-                    exclude: frozenset[str] = frozenset()) -> list[tuple[str, str, str, int, int]]:
+def sample_problems(
+    count: int, *, max_number: int, max_steps: int, seed: int, exclude: frozenset[str] = frozenset()
+) -> list[tuple[str, str, str, int, int]]:
     """`count` distinct problems (template, question, solution, answer, steps), seeded; none in `exclude`."""
     if max_steps not in (1, 2):
-        raise ValueError(f"synthetic.max_steps ({max_steps}) must be 1 or 2 for task 'word_problems', because the "
-                         "templates have one- and two-step variants; set max_steps to 1 or 2.")
+        raise ValueError(
+            f"synthetic.max_steps ({max_steps}) must be 1 or 2 for task 'word_problems', because the "
+            "templates have one- and two-step variants; set max_steps to 1 or 2."
+        )
     if max_number < 5:
-        raise ValueError(f"synthetic.max_operand ({max_number}) must be >= 5 for task 'word_problems', because the "
-                         "templates need room for distinct numbers; raise max_operand.")
+        raise ValueError(
+            f"synthetic.max_operand ({max_number}) must be >= 5 for task 'word_problems', because the "
+            "templates need room for distinct numbers; raise max_operand."
+        )
     rng = random.Random(seed)
     names = sorted(TEMPLATES)
     seen: set[str] = set(exclude)
@@ -155,9 +185,11 @@ def sample_problems(count: int, *, max_number: int, max_steps: int, seed: int,
         if question not in seen:
             seen.add(question)
             out.append((template, question, solution, answer, steps))
-    raise ValueError(f"could generate only {len(out)} distinct word problems of the {count} asked "
-                     f"(synthetic.num_train + num_val) with max_operand={max_number}, max_steps={max_steps}; "
-                     "raise max_operand or max_steps, or lower num_train.")
+    raise ValueError(
+        f"could generate only {len(out)} distinct word problems of the {count} asked "
+        f"(synthetic.num_train + num_val) with max_operand={max_number}, max_steps={max_steps}; "
+        "raise max_operand or max_steps, or lower num_train."
+    )
 
 
 def generate_word_problem_task(out_dir: str | Path, cfg) -> tuple[str, str]:
@@ -168,20 +200,34 @@ def generate_word_problem_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     never a train or val question), then "Question: <q> <instruction>".
     """
     shots: list[tuple[str, str, str, int, int]] = []
-    for shot in sample_problems(50 * cfg.fewshot, max_number=cfg.max_operand, max_steps=cfg.max_steps,
-                                seed=seeds.fewshot(cfg.seed)) if cfg.fewshot > 0 else []:
+    for shot in (
+        sample_problems(
+            50 * cfg.fewshot, max_number=cfg.max_operand, max_steps=cfg.max_steps, seed=seeds.fewshot(cfg.seed)
+        )
+        if cfg.fewshot > 0
+        else []
+    ):
         if len(shots) < cfg.fewshot and (shot[0] not in {t for t, *_ in shots} or cfg.fewshot > len(TEMPLATES)):
             shots.append(shot)  # examples of distinct templates
     prefix = fewshot_prefix(shots)
-    problems = sample_problems(cfg.num_train + cfg.num_val, max_number=cfg.max_operand,
-                               max_steps=cfg.max_steps, seed=cfg.seed, exclude=frozenset(q for _, q, _, _, _ in shots))
-    splits = {"val": problems[:cfg.num_val], "train": problems[cfg.num_val:]}
+    problems = sample_problems(
+        cfg.num_train + cfg.num_val,
+        max_number=cfg.max_operand,
+        max_steps=cfg.max_steps,
+        seed=cfg.seed,
+        exclude=frozenset(q for _, q, _, _, _ in shots),
+    )
+    splits = {"val": problems[: cfg.num_val], "train": problems[cfg.num_val :]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, rows in splits.items():
         path = out / f"{name}.parquet"
-        pd.DataFrame([make_word_problem_row(q, sol, ans, template=t, steps=s, split=name, index=i, prefix=prefix)
-                      for i, (t, q, sol, ans, s) in enumerate(rows)]).to_parquet(path, index=False)
+        pd.DataFrame(
+            [
+                make_word_problem_row(q, sol, ans, template=t, steps=s, split=name, index=i, prefix=prefix)
+                for i, (t, q, sol, ans, s) in enumerate(rows)
+            ]
+        ).to_parquet(path, index=False)
         paths[name] = str(path)
     return paths["train"], paths["val"]

@@ -4,6 +4,7 @@ Version v is the policy that generates iteration v's rollouts; iteration i's upd
 Also the one atomic write of rlake (`atomic_dir`, `atomic_write_text`) and the optimizer state stored
 beside a checkpoint (`save_optimizer_state`, `load_optimizer_state`; stages.train.optim restores it).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,8 @@ class ModelStore:
             raise FileNotFoundError(
                 f"{needed_by} needs policy version {version} at {path}, which does not exist (have {have}). "
                 f"Version {version} is written by iteration {version - 1}'s policy_checkpoint "
-                "(version 0 by initial_policy): materialize that first.")
+                "(version 0 by initial_policy): materialize that first."
+            )
         return path
 
     def remove_partial(self) -> list[str]:
@@ -123,6 +125,7 @@ def checkpoint_identity(model_dir: str | Path) -> tuple[str, str, str]:
     holds. Equal identities: nothing to load; only the config equal: the weights can be loaded in place."""
     path = Path(model_dir).resolve()
     config = (path / "config.json").read_text()
-    ident = checkpoint_id(path) or ":".join(f"{f.name}@{f.stat().st_mtime_ns}"
-                                            for f in sorted(path.glob("*.safetensors")))
+    ident = checkpoint_id(path) or ":".join(
+        f"{f.name}@{f.stat().st_mtime_ns}" for f in sorted(path.glob("*.safetensors"))
+    )
     return str(path), ident, config

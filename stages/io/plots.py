@@ -9,6 +9,7 @@ x axes: the rows of iteration i carry policy_version i+1 (the update's result, M
 iteration -1 holds the validation of policy v0. Training-rollout panels plot against the iteration
 (= the policy version that generated the rollouts), validation against the validated policy version.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,9 @@ def load_run_metrics(tables_root: str | Path, run_id: str) -> pd.DataFrame:
     Raises FileNotFoundError without the table, LookupError (naming the runs it holds) without rows."""
     uri = str(Path(tables_root) / METRICS_TABLE)
     if not table_exists(uri):
-        raise FileNotFoundError(f"no {METRICS_TABLE} Delta table at '{uri}': the tables directory of a run "
-                                "is <trainer.output_dir>/tables")
+        raise FileNotFoundError(
+            f"no {METRICS_TABLE} Delta table at '{uri}': the tables directory of a run is <trainer.output_dir>/tables"
+        )
     dt = DeltaTable(uri)
     df = dt.to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration", "policy_version", "metric", "value"])
     if df.empty:
@@ -54,7 +56,7 @@ def validation_rewards(df: pd.DataFrame) -> pd.DataFrame:
 
 def _val_label(metric: str) -> str:
     kind, ds, n = re.match(VAL_REWARD, metric).groups()
-    return (f"greedy pass@1 ({ds})" if kind == "core" else f"sampled mean@{n} ({ds})")
+    return f"greedy pass@1 ({ds})" if kind == "core" else f"sampled mean@{n} ({ds})"
 
 
 def _plot_validation(ax, df: pd.DataFrame, *, annotate: bool) -> bool:
@@ -81,8 +83,14 @@ def validation_figure(df: pd.DataFrame, title: str):
     _plot_validation(ax, df, annotate=True)
     train = df[df["metric"] == "critic/score/mean"].sort_values("iteration")
     if not train.empty:  # iteration i's rollouts come from policy version i
-        ax.plot(train["iteration"], train["value"], color="gray", alpha=0.6, linestyle="--",
-                label="training reward (critic/score/mean)")
+        ax.plot(
+            train["iteration"],
+            train["value"],
+            color="gray",
+            alpha=0.6,
+            linestyle="--",
+            label="training reward (critic/score/mean)",
+        )
         ax.legend(fontsize=7, loc="best")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
@@ -104,8 +112,15 @@ def run_figure(df: pd.DataFrame, title: str):
         if drawn:
             ax.legend(fontsize=7, loc="best")
         else:
-            ax.text(0.5, 0.5, "not logged: " + ", ".join(metrics), ha="center", va="center", fontsize=8,
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "not logged: " + ", ".join(metrics),
+                ha="center",
+                va="center",
+                fontsize=8,
+                transform=ax.transAxes,
+            )
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

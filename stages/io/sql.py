@@ -1,4 +1,5 @@
 """SQL over rlake's Delta tables: DuckDB reading each table's Arrow dataset (no extension download)."""
+
 from __future__ import annotations
 
 import difflib
@@ -64,8 +65,9 @@ def explain_error(con, sql: str, exc: Exception) -> str:
     """One line: DuckDB's first line, a did-you-mean, and the tables (with columns) that exist."""
     first = str(exc).strip().splitlines()[0].rstrip("!") if str(exc).strip() else type(exc).__name__
     try:
-        rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "
-                           "ORDER BY table_name, ordinal_position").fetchall()
+        rows = con.execute(
+            "SELECT table_name, column_name FROM information_schema.columns ORDER BY table_name, ordinal_position"
+        ).fetchall()
     except duckdb.Error:  # the connection itself is gone (interrupt, out of memory): DuckDB's line alone
         return first
     columns: dict[str, list[str]] = {}

@@ -5,6 +5,7 @@ Tables are partitioned by (run_id, iteration); a write replaces exactly its own 
 (`predicate`), so a retried or re-materialized stage never duplicates rows and never touches
 other iterations.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,16 @@ def code_version() -> str:
     """Git commit of the rlake checkout (with '+dirty' when modified), else the package version."""
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         try:
@@ -55,17 +62,24 @@ def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
     return pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
 
 
-def write_partition(uri: str, name: str, df: pd.DataFrame, *, run_id: str, iteration: int,
-                    lineage: dict[str, Any]) -> int:
+def write_partition(
+    uri: str, name: str, df: pd.DataFrame, *, run_id: str, iteration: int, lineage: dict[str, Any]
+) -> int:
     """Replace partition (run_id, iteration) of table `name` at `uri`; returns the new version."""
     if not len(df):
-        raise ValueError(f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
-                         f"{iteration}): an empty stage output means an upstream stage produced nothing")
+        raise ValueError(
+            f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
+            f"{iteration}): an empty stage output means an upstream stage produced nothing"
+        )
     df = df.assign(run_id=run_id, iteration=iteration)
     data = to_arrow(name, df)
     meta = {LINEAGE_PREFIX + k: (v if isinstance(v, str) else json.dumps(v)) for k, v in lineage.items()}
-    meta |= {LINEAGE_PREFIX + "run_id": run_id, LINEAGE_PREFIX + "iteration": str(iteration),
-             LINEAGE_PREFIX + "table": name, LINEAGE_PREFIX + "code_version": code_version()}
+    meta |= {
+        LINEAGE_PREFIX + "run_id": run_id,
+        LINEAGE_PREFIX + "iteration": str(iteration),
+        LINEAGE_PREFIX + "table": name,
+        LINEAGE_PREFIX + "code_version": code_version(),
+    }
     props = CommitProperties(custom_metadata=meta)
     if not table_exists(uri):
         write_deltalake(uri, data, mode="append", partition_by=["run_id", "iteration"], commit_properties=props)
@@ -73,21 +87,30 @@ def write_partition(uri: str, name: str, df: pd.DataFrame, *, run_id: str, itera
         safe_run = run_id.replace("'", "''")
         # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
         # instead of refusing a resumed run's writes
-        write_deltalake(uri, data, mode="overwrite", predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
-                        commit_properties=props, schema_mode="merge")
+        write_deltalake(
+            uri,
+            data,
+            mode="overwrite",
+            predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
+            commit_properties=props,
+            schema_mode="merge",
+        )
     return DeltaTable(uri).version()
 
 
-def read_partition(uri: str, run_id: str, iteration: int, *, version: int | None = None,
-                   columns: list[str] | None = None) -> pd.DataFrame:
+def read_partition(
+    uri: str, run_id: str, iteration: int, *, version: int | None = None, columns: list[str] | None = None
+) -> pd.DataFrame:
     """Rows of one (run_id, iteration) partition, optionally at a table version (time travel)."""
     if not table_exists(uri):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     dt = DeltaTable(uri, version=version)
     df = dt.to_pandas(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns)
     if not len(df):
-        raise LookupError(f"table '{uri}' (version {dt.version()}) has no rows for run '{run_id}' iteration "
-                          f"{iteration}: materialize that partition of its asset first")
+        raise LookupError(
+            f"table '{uri}' (version {dt.version()}) has no rows for run '{run_id}' iteration "
+            f"{iteration}: materialize that partition of its asset first"
+        )
     return df
 
 
@@ -99,7 +122,7 @@ def commit_lineage(uri: str, *, run_id: str | None = None, iteration: int | None
     """The rlake lineage of every commit (newest first), optionally for one run / iteration."""
     out = []
     for entry in DeltaTable(uri).history():
-        meta = {k[len(LINEAGE_PREFIX):]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
+        meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
         if not meta:
             continue
         if run_id is not None and meta.get("run_id") != run_id:

@@ -1,4 +1,5 @@
 """Arrow schemas of rlake's Delta tables (one place, so tests and SQL users see one truth)."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -52,36 +53,76 @@ REWARD_FIELDS = [
 SCHEMAS: dict[str, pa.Schema] = {
     # prompts: iteration -1 holds the ingested dataset of a run
     "prompts": pa.schema(_KEYS + PROMPT_FIELDS),
-    "prompt_batches": pa.schema(_KEYS + [
-        pa.field("prompt_id", pa.int64(), nullable=False), pa.field("epoch", pa.int64()),
-        pa.field("position", pa.int64()), pa.field("data_source", pa.string()),
-        pa.field("ground_truth", pa.string()), pa.field("prompt_text", pa.string()),
-        pa.field("prompt_token_ids", _TOKENS), pa.field("gen_round", pa.int32())]),
+    "prompt_batches": pa.schema(
+        _KEYS
+        + [
+            pa.field("prompt_id", pa.int64(), nullable=False),
+            pa.field("epoch", pa.int64()),
+            pa.field("position", pa.int64()),
+            pa.field("data_source", pa.string()),
+            pa.field("ground_truth", pa.string()),
+            pa.field("prompt_text", pa.string()),
+            pa.field("prompt_token_ids", _TOKENS),
+            pa.field("gen_round", pa.int32()),
+        ]
+    ),
     "rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS),
     "scored_rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS + REWARD_FIELDS),
-    "advantages": pa.schema(_KEYS + [
-        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("group_id", pa.int64()),
-        pa.field("policy_version", pa.int64()),
-        pa.field("prompt_token_ids", _TOKENS), pa.field("response_token_ids", _TOKENS),
-        pa.field("reward", pa.float64()), pa.field("advantage", pa.float32()),
-        pa.field("token_advantages", pa.list_(pa.float32())), pa.field("adv_estimator", pa.string()),
-        # reference log-probs (empty lists unless KL is used), the KL-in-reward beta and per-rollout KL
-        pa.field("ref_logprobs", pa.list_(pa.float32())), pa.field("kl_coef", pa.float64()),
-        pa.field("reward_kl", pa.float64()),
-        # GAE returns per response token (advantages + values, PPO with a critic); empty for others
-        pa.field("returns", pa.list_(pa.float32()))]),
+    "advantages": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("group_id", pa.int64()),
+            pa.field("policy_version", pa.int64()),
+            pa.field("prompt_token_ids", _TOKENS),
+            pa.field("response_token_ids", _TOKENS),
+            pa.field("reward", pa.float64()),
+            pa.field("advantage", pa.float32()),
+            pa.field("token_advantages", pa.list_(pa.float32())),
+            pa.field("adv_estimator", pa.string()),
+            # reference log-probs (empty lists unless KL is used), the KL-in-reward beta and per-rollout KL
+            pa.field("ref_logprobs", pa.list_(pa.float32())),
+            pa.field("kl_coef", pa.float64()),
+            pa.field("reward_kl", pa.float64()),
+            # GAE returns per response token (advantages + values, PPO with a critic); empty for others
+            pa.field("returns", pa.list_(pa.float32())),
+        ]
+    ),
     # per-token critic values of each rollout's response (PPO with GAE), by critic version == iteration
-    "values": pa.schema(_KEYS + [
-        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("critic_version", pa.int64()),
-        pa.field("values", pa.list_(pa.float32()))]),
+    "values": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("critic_version", pa.int64()),
+            pa.field("values", pa.list_(pa.float32())),
+        ]
+    ),
     # per-token log-probs of each rollout's response under the reference policy (version 0)
-    "ref_logprobs": pa.schema(_KEYS + [
-        pa.field("rollout_id", pa.int64(), nullable=False), pa.field("policy_version", pa.int64()),
-        pa.field("ref_policy_version", pa.int64()), pa.field("ref_logprobs", pa.list_(pa.float32()))]),
-    "iteration_metrics": pa.schema(_KEYS + [
-        pa.field("policy_version", pa.int64()), pa.field("metric", pa.string(), nullable=False),
-        pa.field("value", pa.float64())]),
+    "ref_logprobs": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64()),
+            pa.field("ref_policy_version", pa.int64()),
+            pa.field("ref_logprobs", pa.list_(pa.float32())),
+        ]
+    ),
+    "iteration_metrics": pa.schema(
+        _KEYS
+        + [
+            pa.field("policy_version", pa.int64()),
+            pa.field("metric", pa.string(), nullable=False),
+            pa.field("value", pa.float64()),
+        ]
+    ),
 }
 PROMPTS_ITERATION = -1
-COLUMN_DEFAULTS: dict[str, object] = {"gen_round": 0, "is_baseline": False, "ref_logprobs": [], "kl_coef": None, "reward_kl": None, "returns": []}
+COLUMN_DEFAULTS: dict[str, object] = {
+    "gen_round": 0,
+    "is_baseline": False,
+    "ref_logprobs": [],
+    "kl_coef": None,
+    "reward_kl": None,
+    "returns": [],
+}
 """Values of columns a writer may omit (added by algorithms that not every run uses): store.to_arrow fills them."""

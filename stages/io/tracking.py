@@ -10,6 +10,7 @@
   table `samples/val_step_<N>.json` (N = policy version = metric step).
 - Code: the git commit of the rlake checkout as `mlflow.source.git.commit` and `rlake.git_commit`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,11 +27,30 @@ from mlflow.entities import Dataset, DatasetInput, InputTag
 from stages.io.plots import load_run_metrics, validation_figure
 from stages.io.store import commit_lineage, table_exists
 
-LINEAGE_TABLES = ("prompts", "prompt_batches", "rollouts", "ref_logprobs", "scored_rollouts", "values", "advantages",
-                  "iteration_metrics")
+LINEAGE_TABLES = (
+    "prompts",
+    "prompt_batches",
+    "rollouts",
+    "ref_logprobs",
+    "scored_rollouts",
+    "values",
+    "advantages",
+    "iteration_metrics",
+)
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
-SAMPLE_COLUMNS = ["prompt_text", "response_text", "ground_truth", "reward", "policy_version", "sampling", "prompt_id",
-                  "sample_index", "data_source", "response_length", "finish_reason"]
+SAMPLE_COLUMNS = [
+    "prompt_text",
+    "response_text",
+    "ground_truth",
+    "reward",
+    "policy_version",
+    "sampling",
+    "prompt_id",
+    "sample_index",
+    "data_source",
+    "response_length",
+    "finish_reason",
+]
 """What a reader looks at first comes first (MLflow's table view shows the leftmost columns)."""
 VALIDATION_FIGURE = "validation_curve.png"
 
@@ -40,8 +60,14 @@ def git_commit() -> str | None:
     """Full commit sha of the checkout rlake's source lives in; None when it is not a git checkout."""
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=5, check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
     # an installed copy (site-packages) inside some other repository is not rlake's checkout
@@ -53,8 +79,9 @@ def code_tags() -> dict[str, str]:
     return {"mlflow.source.git.commit": sha, "rlake.git_commit": sha} if sha else {}
 
 
-def iteration_lineage(tables_root: str | Path, run_id: str, iteration: int, *,
-                      metrics_version: int | None = None) -> list[dict[str, Any]]:
+def iteration_lineage(
+    tables_root: str | Path, run_id: str, iteration: int, *, metrics_version: int | None = None
+) -> list[dict[str, Any]]:
     """One Delta commit per table written for (run_id, iteration), in LINEAGE_TABLES order.
 
     Tables reached from the iteration_metrics commit `metrics_version` (default: its newest for the
@@ -69,7 +96,11 @@ def iteration_lineage(tables_root: str | Path, run_id: str, iteration: int, *,
             commits[table] = {"uri": uri, "newest": found[0], "by_version": {c["version"]: c for c in found}}
     chosen: dict[str, dict[str, Any]] = {}
     start = commits.get("iteration_metrics")
-    todo = [("iteration_metrics", start["newest"]["version"] if metrics_version is None else metrics_version)] if start else []
+    todo = (
+        [("iteration_metrics", start["newest"]["version"] if metrics_version is None else metrics_version)]
+        if start
+        else []
+    )
     while todo:
         table, version = todo.pop()
         commit = commits.get(table, {}).get("by_version", {}).get(version)
@@ -91,17 +122,35 @@ def delta_dataset_input(entry: dict[str, Any], iteration: int):
     source = json.dumps({"path": entry["uri"], "delta_table_version": version})
     digest = hashlib.sha256(f"{entry['table']}\n{source}".encode()).hexdigest()[:8]
     # the UI shows the profile (not the source or the input tags): the version and path go there too
-    profile = {"delta_version": version, "path": entry["uri"],
-               **{k: entry.get(k) for k in ("run_id", "iteration", "stage", "policy_version", "upstream", "code_version")}}
-    dataset = Dataset(name=entry["table"], digest=digest, source_type=DeltaDatasetSource._get_source_type(),
-                      source=source, profile=json.dumps(profile, default=str))
-    tags = [InputTag("mlflow.data.context", entry["table"]), InputTag("rlake.iteration", str(iteration)),
-            InputTag("rlake.delta_version", str(version))]
+    profile = {
+        "delta_version": version,
+        "path": entry["uri"],
+        **{k: entry.get(k) for k in ("run_id", "iteration", "stage", "policy_version", "upstream", "code_version")},
+    }
+    dataset = Dataset(
+        name=entry["table"],
+        digest=digest,
+        source_type=DeltaDatasetSource._get_source_type(),
+        source=source,
+        profile=json.dumps(profile, default=str),
+    )
+    tags = [
+        InputTag("mlflow.data.context", entry["table"]),
+        InputTag("rlake.iteration", str(iteration)),
+        InputTag("rlake.delta_version", str(version)),
+    ]
     return DatasetInput(dataset, tags=tags)
 
 
-def log_lineage(client, mlflow_run_id: str, tables_root: str | Path, run_id: str, iteration: int, *,
-                metrics_version: int | None = None) -> list[dict[str, Any]]:
+def log_lineage(
+    client,
+    mlflow_run_id: str,
+    tables_root: str | Path,
+    run_id: str,
+    iteration: int,
+    *,
+    metrics_version: int | None = None,
+) -> list[dict[str, Any]]:
     """Log the iteration's table versions as dataset inputs of the MLflow run; returns the lineage entries.
     Idempotent: MLflow keeps one input per (dataset name, digest) and run."""
     entries = iteration_lineage(tables_root, run_id, iteration, metrics_version=metrics_version)
@@ -117,12 +166,20 @@ def validation_samples(scored: dict[str, pd.DataFrame], *, policy_version: int, 
     return out[[c for c in SAMPLE_COLUMNS if c in out.columns]]
 
 
-def log_validation_samples(client, mlflow_run_id: str, scored: dict[str, pd.DataFrame], *, policy_version: int,
-                           metrics_version: int | None = None) -> str:
+def log_validation_samples(
+    client,
+    mlflow_run_id: str,
+    scored: dict[str, pd.DataFrame],
+    *,
+    policy_version: int,
+    metrics_version: int | None = None,
+) -> str:
     """MLflow table samples/val_step_<policy_version>.json; a re-materialization appends (MLflow's log_table),
     its rows told apart by iteration_metrics_version. Returns the artifact path."""
     artifact = f"samples/val_step_{policy_version}.json"
-    samples = validation_samples(scored, policy_version=policy_version).assign(iteration_metrics_version=metrics_version)
+    samples = validation_samples(scored, policy_version=policy_version).assign(
+        iteration_metrics_version=metrics_version
+    )
     client.log_table(mlflow_run_id, data=samples, artifact_file=artifact)
     return artifact
 

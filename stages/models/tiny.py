@@ -1,5 +1,6 @@
 """The tiny policy of the CPU configs: a Qwen2 with an in-process character tokenizer, warm-started
 by a short supervised pass on a split of the synthetic task disjoint from validation (no hub)."""
+
 from __future__ import annotations
 
 import math
@@ -20,29 +21,39 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+
 def build_char_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     """A character-level tokenizer with chat template, built in-process (under a second)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   additional_special_tokens=SPECIAL_TOKENS[2:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", additional_special_tokens=SPECIAL_TOKENS[2:]
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     return fast
+
 
 def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schema.TinyModelConfig
     """A randomly initialised tiny Qwen2ForCausalLM."""
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=256,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=256,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     return Qwen2ForCausalLM(config)
+
 
 def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg, seed: int = 0) -> list[float]:
     """Supervised warm start: next-token loss on the response only. Returns per-step losses.
@@ -80,6 +91,7 @@ def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg,
     model.eval()
     return losses
 
+
 def _sft_batch(batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, labels, attention_mask), each (B, T): right-padded prompt+response, loss on the response."""
     width = max(len(p) + len(r) for p, r in batch)
@@ -90,8 +102,9 @@ def _sft_batch(batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, 
         seq = p + r
         ids[b, : len(seq)] = torch.tensor(seq)
         attn[b, : len(seq)] = 1
-        labels[b, len(p): len(seq)] = torch.tensor(r)
+        labels[b, len(p) : len(seq)] = torch.tensor(r)
     return ids, labels, attn
+
 
 class _WarmstartSchedule:
     """lr factor per SFT step. Without a target loss: cosine from 1 to 0 over max_steps. With one: 1

@@ -6,6 +6,7 @@ differ and, per metric, the final value (at the last step) and the best value ov
 rewards, scores and accuracies, min for losses, none otherwise) of both runs. MLflow stores metric
 names with '@' written as '_at_'; they are printed back with '@'.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,23 +55,33 @@ def find_run(client, rlake_run_id: str, experiment: str | None = None) -> RunRec
     if experiment is not None:
         exps = [e for e in exps if e.name == experiment]
         if not exps:
-            raise ValueError(f"MLflow experiment '{experiment}' does not exist at {client.tracking_uri}; "
-                             "pass the trainer.project_name the runs were logged under, or drop --experiment.")
+            raise ValueError(
+                f"MLflow experiment '{experiment}' does not exist at {client.tracking_uri}; "
+                "pass the trainer.project_name the runs were logged under, or drop --experiment."
+            )
     ids = [e.experiment_id for e in exps]
     names = {e.experiment_id: e.name for e in exps}
     found = client.search_runs(ids, filter_string=f"tags.`rlake.run_id` = '{rlake_run_id}'", max_results=2)
     if not found:
         known = sorted({r.data.tags.get("rlake.run_id", "?") for r in client.search_runs(ids, max_results=200)})
-        raise ValueError(f"no MLflow run tagged rlake.run_id='{rlake_run_id}' at {client.tracking_uri}; "
-                         f"known rlake run ids: {known}. Pass a run id `rlake train` printed, and the "
-                         "--config (or --tracking-uri) of the output_dir it wrote to.")
+        raise ValueError(
+            f"no MLflow run tagged rlake.run_id='{rlake_run_id}' at {client.tracking_uri}; "
+            f"known rlake run ids: {known}. Pass a run id `rlake train` printed, and the "
+            "--config (or --tracking-uri) of the output_dir it wrote to."
+        )
     run = found[0]
     history = {}
     for key in run.data.metrics:
         points = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         history[key.replace("_at_", "@")] = points
-    return RunRecord(rlake_run_id, run.info.run_id, names.get(run.info.experiment_id, run.info.experiment_id),
-                     run.info.status, dict(run.data.params), history)
+    return RunRecord(
+        rlake_run_id,
+        run.info.run_id,
+        names.get(run.info.experiment_id, run.info.experiment_id),
+        run.info.status,
+        dict(run.data.params),
+        history,
+    )
 
 
 def _final_best(points: list[tuple[int, float]] | None, direction: str | None):
@@ -81,14 +92,18 @@ def _final_best(points: list[tuple[int, float]] | None, direction: str | None):
     return points[-1][1], best, points[-1][0]
 
 
-def compare_runs(tracking_uri: str, run_a: str, run_b: str, *, experiment: str | None = None,
-                 metric_prefixes: tuple[str, ...] = ()) -> Comparison:
+def compare_runs(
+    tracking_uri: str, run_a: str, run_b: str, *, experiment: str | None = None, metric_prefixes: tuple[str, ...] = ()
+) -> Comparison:
     """Read both runs from the MLflow store at tracking_uri and line them up."""
     client = MlflowClient(tracking_uri=tracking_uri)
     a, b = find_run(client, run_a, experiment), find_run(client, run_b, experiment)
     skip = {"trainer.run_id"}
-    diffs = [(k, a.params.get(k), b.params.get(k)) for k in sorted(set(a.params) | set(b.params))
-             if k not in skip and a.params.get(k) != b.params.get(k)]
+    diffs = [
+        (k, a.params.get(k), b.params.get(k))
+        for k in sorted(set(a.params) | set(b.params))
+        if k not in skip and a.params.get(k) != b.params.get(k)
+    ]
     rows = []
     for key in sorted(set(a.history) | set(b.history)):
         if metric_prefixes and not key.startswith(metric_prefixes):
@@ -99,8 +114,10 @@ def compare_runs(tracking_uri: str, run_a: str, run_b: str, *, experiment: str |
         rows.append((key, fa, fb, ba, bb, sa, sb))
     notes = []
     if a.experiment != b.experiment:
-        notes.append(f"the runs are in different MLflow experiments ('{a.experiment}', '{b.experiment}'): the MLflow "
-                     "UI shows them side by side only when trainer.project_name is the same")
+        notes.append(
+            f"the runs are in different MLflow experiments ('{a.experiment}', '{b.experiment}'): the MLflow "
+            "UI shows them side by side only when trainer.project_name is the same"
+        )
     return Comparison(a, b, diffs, rows, notes)
 
 
@@ -113,8 +130,11 @@ def _fmt(v: float | None) -> str:
 def format_comparison(c: Comparison) -> str:
     """Plain-text tables: runs, differing params, metrics (final and best of each run)."""
     A, B = c.a.rlake_run_id, c.b.rlake_run_id
-    lines = [f"A = {A}  (MLflow run {c.a.mlflow_run_id}, experiment '{c.a.experiment}', {c.a.status})",
-             f"B = {B}  (MLflow run {c.b.mlflow_run_id}, experiment '{c.b.experiment}', {c.b.status})", ""]
+    lines = [
+        f"A = {A}  (MLflow run {c.a.mlflow_run_id}, experiment '{c.a.experiment}', {c.a.status})",
+        f"B = {B}  (MLflow run {c.b.mlflow_run_id}, experiment '{c.b.experiment}', {c.b.status})",
+        "",
+    ]
     lines += [f"params that differ ({len(c.param_diffs)}):"]
     if c.param_diffs:
         w = max(len(k) for k, _, _ in c.param_diffs)
@@ -123,13 +143,22 @@ def format_comparison(c: Comparison) -> str:
         lines += [f"  {k:<{w}}  {va!s:<{wa}}  {vb}" for k, va, vb in c.param_diffs]
     else:
         lines += ["  (none: same config)"]
-    lines += ["", (f"metrics ({len(c.metric_rows)}): final = value at the last logged step; best = max for "
-              "reward/score/acc, min for loss")]
+    lines += [
+        "",
+        (
+            f"metrics ({len(c.metric_rows)}): final = value at the last logged step; best = max for "
+            "reward/score/acc, min for loss"
+        ),
+    ]
     if c.metric_rows:
         w = max(len(r[0]) for r in c.metric_rows)
         lines += [f"  {'metric':<{w}}  {'final A':>10}  {'final B':>10}  {'best A':>10}  {'best B':>10}  steps A/B"]
         for key, fa, fb, ba, bb, sa, sb in c.metric_rows:
-            lines += [(f"  {key:<{w}}  {_fmt(fa):>10}  {_fmt(fb):>10}  {_fmt(ba):>10}  {_fmt(bb):>10}  "
-                      f"{'-' if sa is None else sa}/{'-' if sb is None else sb}")]
+            lines += [
+                (
+                    f"  {key:<{w}}  {_fmt(fa):>10}  {_fmt(fb):>10}  {_fmt(ba):>10}  {_fmt(bb):>10}  "
+                    f"{'-' if sa is None else sa}/{'-' if sb is None else sb}"
+                )
+            ]
     lines += [f"note: {n}" for n in c.notes]
     return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ A checkpoint policy_v<N> holds the HF model and tokenizer plus rlake's training 
 (optimizer.pt, update_metrics.json, trainer_state.json, ...). `export_policy` copies only the
 files `from_pretrained` reads, then proves the copy loads with AutoModelForCausalLM/AutoTokenizer.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -15,23 +16,40 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages.io.checkpoints import atomic_dir
 
-HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-            "pytorch_model*.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-            "tokenizer.model", "chat_template.jinja", "chat_template.json")
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 """Everything a plain HF model directory may hold; anything else (optimizer state, metrics) stays behind."""
 
 
-def resolve_checkpoint(checkpoint: str | None, *, output_dir: str | None = None, run_id: str | None = None,
-                       version: int | None = None) -> Path:
+def resolve_checkpoint(
+    checkpoint: str | None, *, output_dir: str | None = None, run_id: str | None = None, version: int | None = None
+) -> Path:
     """The policy dir named by --checkpoint, or by output_dir/checkpoints/<run_id>/policy_v<version>."""
     if checkpoint is not None:
         if run_id is not None or version is not None:
             raise ValueError("give either --checkpoint DIR or --run-id R --version N, not both")
         return Path(checkpoint)
     if run_id is None or version is None or output_dir is None:
-        raise ValueError("name the checkpoint: --checkpoint <policy_vN dir>, or --run-id R --version N "
-                         "(with --config locating trainer.output_dir)")
+        raise ValueError(
+            "name the checkpoint: --checkpoint <policy_vN dir>, or --run-id R --version N "
+            "(with --config locating trainer.output_dir)"
+        )
     return Path(output_dir) / "checkpoints" / run_id / f"policy_v{version}"
 
 
@@ -40,8 +58,10 @@ def export_policy(checkpoint: str | Path, out_dir: str | Path, *, overwrite: boo
     src, out = Path(checkpoint), Path(out_dir)
     if not (src / "config.json").is_file():
         have = sorted(p.name for p in src.parent.glob("policy_v*")) if src.parent.is_dir() else []
-        raise FileNotFoundError(f"checkpoint '{src}' is not an HF checkpoint directory (no config.json); "
-                                f"checkpoints next to it: {have}. Pass a policy_v<N> directory.")
+        raise FileNotFoundError(
+            f"checkpoint '{src}' is not an HF checkpoint directory (no config.json); "
+            f"checkpoints next to it: {have}. Pass a policy_v<N> directory."
+        )
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export directory '{out}' exists and is not empty; pick a new --out or pass --overwrite")
     names = sorted(p.name for p in src.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, g) for g in HF_FILES))

@@ -7,6 +7,7 @@ On CPU with the same worker count the replay is deterministic: the measured max 
 was 0 (bitwise) on ci_tiny. The default tolerance is REPLAY_RTOL relative (plus REPLAY_ATOL absolute,
 for values near 0), to absorb a different thread count or BLAS build.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,16 +49,19 @@ class ReplayReport:
         return max([r[3] for r in self.rows] + ([self.weights[1]] if self.weights else []), default=0.0)
 
     def table(self) -> str:
-        lines = [f"replay of run {self.run_id} iteration {self.iteration} "
-                 f"(advantages version {self.advantages_version})",
-                 f"{'quantity':<34}{'logged':>16}{'replayed':>16}{'rel diff':>12}  ok"]
+        lines = [
+            f"replay of run {self.run_id} iteration {self.iteration} (advantages version {self.advantages_version})",
+            f"{'quantity':<34}{'logged':>16}{'replayed':>16}{'rel diff':>12}  ok",
+        ]
         for name, a, b, rel, ok in self.rows:
             lines.append(f"{name:<34}{a:>16.8g}{b:>16.8g}{rel:>12.3g}  {'yes' if ok else 'NO'}")
         if self.weights is None:
             lines.append(f"weights: policy_v{self.iteration + 1} is not kept, not compared")
         else:
-            lines.append(f"weights vs stored policy_v{self.iteration + 1}: max abs diff {self.weights[0]:.3g}, "
-                         f"max rel diff {self.weights[1]:.3g}  {'yes' if self.weights[2] else 'NO'}")
+            lines.append(
+                f"weights vs stored policy_v{self.iteration + 1}: max abs diff {self.weights[0]:.3g}, "
+                f"max rel diff {self.weights[1]:.3g}  {'yes' if self.weights[2] else 'NO'}"
+            )
         lines.append(f"max rel diff {self.max_rel_diff:.3g}: {'reproduced' if self.passed else 'NOT reproduced'}")
         return "\n".join(lines)
 
@@ -74,18 +78,24 @@ def recorded_inputs(cfg: RunConfig, iteration: int) -> tuple[int, dict[str, floa
     """(advantages version, logged metrics, config hash) of the iteration, from iteration_metrics' lineage."""
     uri = str(Path(cfg.trainer.output_dir).resolve() / "tables" / "iteration_metrics")
     if iteration == PROMPTS_ITERATION or not store.table_exists(uri):
-        raise FileNotFoundError(f"no iteration_metrics table at {uri}: replay needs a finished iteration of a run; "
-                                "check --config / trainer.output_dir")
+        raise FileNotFoundError(
+            f"no iteration_metrics table at {uri}: replay needs a finished iteration of a run; "
+            "check --config / trainer.output_dir"
+        )
     commits = store.commit_lineage(uri, run_id=cfg.run_id, iteration=iteration)
     if not commits:
-        raise ValueError(f"run '{cfg.run_id}' has no iteration_metrics for iteration {iteration} in {uri}: "
-                          "replay needs an iteration whose policy update finished; check --run-id and --iteration "
-                          "(`rlake lineage iteration_metrics --run-id R` lists them)")
+        raise ValueError(
+            f"run '{cfg.run_id}' has no iteration_metrics for iteration {iteration} in {uri}: "
+            "replay needs an iteration whose policy update finished; check --run-id and --iteration "
+            "(`rlake lineage iteration_metrics --run-id R` lists them)"
+        )
     commit = commits[0]
     adv_version = commit["upstream"].get("advantages")
     if adv_version is None:
-        raise ValueError(f"iteration_metrics commit {commit['version']} records no advantages version: "
-                          "it was written by an rlake without lineage of the advantages read; re-run the iteration")
+        raise ValueError(
+            f"iteration_metrics commit {commit['version']} records no advantages version: "
+            "it was written by an rlake without lineage of the advantages read; re-run the iteration"
+        )
     rows = store.read_partition(uri, cfg.run_id, iteration, version=commit["version"])
     return int(adv_version), dict(zip(rows["metric"], rows["value"].astype(float), strict=True)), commit["config_hash"]
 
@@ -104,8 +114,9 @@ def compare_weights(replayed: Path, stored: Path) -> tuple[float, float]:
     """(max abs difference, max relative difference = abs diff / max |stored| per tensor) over every tensor."""
     a, b = _state(replayed), _state(stored)
     if set(a) != set(b):
-        raise ValueError(f"replayed checkpoint {replayed} and stored {stored} hold different tensors: "
-                         f"{sorted(set(a) ^ set(b))[:5]}")
+        raise ValueError(
+            f"replayed checkpoint {replayed} and stored {stored} hold different tensors: {sorted(set(a) ^ set(b))[:5]}"
+        )
     max_abs = max_rel = 0.0
     for k, t in b.items():
         d = float((a[k].double() - t.double()).abs().max())
@@ -114,27 +125,37 @@ def compare_weights(replayed: Path, stored: Path) -> tuple[float, float]:
     return max_abs, max_rel
 
 
-def replay_update(cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rtol: float = REPLAY_RTOL,
-                  atol: float = REPLAY_ATOL) -> ReplayReport:
+def replay_update(
+    cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rtol: float = REPLAY_RTOL, atol: float = REPLAY_ATOL
+) -> ReplayReport:
     """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare (the
     policy_checkpoint asset's request builder and update function, stages.update)."""
     out = Path(cfg.trainer.output_dir).resolve()
     adv_version, logged, cfg_hash = recorded_inputs(cfg, iteration)
     if cfg_hash != cfg.config_hash():
-        raise ValueError(f"the config given (hash {cfg.config_hash()}) is not the one run '{cfg.run_id}' trained "
-                         f"with (hash {cfg_hash}), so the replay would not reproduce its update; pass the run's "
-                         "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)")
+        raise ValueError(
+            f"the config given (hash {cfg.config_hash()}) is not the one run '{cfg.run_id}' trained "
+            f"with (hash {cfg_hash}), so the replay would not reproduce its update; pass the run's "
+            "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)"
+        )
     ms = ModelStore(out / "checkpoints", cfg.run_id)
     start = ms.policy_dir(iteration)
     if not (start / "config.json").is_file():
         raise FileNotFoundError(
             f"replay of iteration {iteration} starts from policy_v{iteration} at {start}, which is not kept "
             f"(kept: {ms.versions()}); trainer.save_freq={cfg.trainer.save_freq} keeps every save_freq-th version "
-            "plus the newest two, so replay an iteration whose version is kept or train with trainer.save_freq=1")
+            "plus the newest two, so replay an iteration whose version is kept or train with trainer.save_freq=1"
+        )
     scratch = Path(scratch_dir).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    req = update_request(cfg, iteration, advantages_uri=str(out / "tables" / "advantages"),
-                         advantages_version=adv_version, policy_dir=start, out_dir=scratch / f"policy_v{iteration + 1}")
+    req = update_request(
+        cfg,
+        iteration,
+        advantages_uri=str(out / "tables" / "advantages"),
+        advantages_version=adv_version,
+        policy_dir=start,
+        out_dir=scratch / f"policy_v{iteration + 1}",
+    )
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
     replayed = run_update(req)
     report = ReplayReport(cfg.run_id, iteration, adv_version)

@@ -13,6 +13,7 @@ Modes (`trainer.resume_mode`, verl's names):
 - disable: start at iteration 0 (an existing run id gets its partitions replaced).
 - resume_path: continue from trainer.resume_from_path, a policy_v<N> directory of this output_dir.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,17 @@ from stages.models.tiny import build_char_tokenizer
 STATE_FILE = "trainer_state.json"
 SETUP_ITERATION = -1
 """iteration_metrics partition -1 is written by initial_policy: the set-up of the run is complete."""
-RUN_CONTROL_FIELDS = ("run_id", "resume_mode", "resume_from_path", "resume_allow_config_change",
-                      "total_training_steps", "save_freq", "test_freq", "output_dir", "mlflow_tracking_uri")
+RUN_CONTROL_FIELDS = (
+    "run_id",
+    "resume_mode",
+    "resume_from_path",
+    "resume_allow_config_change",
+    "total_training_steps",
+    "save_freq",
+    "test_freq",
+    "output_dir",
+    "mlflow_tracking_uri",
+)
 """trainer fields that say how long / where a run goes, not what an iteration computes: a resume may change them."""
 _VERSION_DIR = re.compile(r"^policy_v(\d+)$")
 
@@ -67,14 +77,22 @@ def cursor_batch_size(cfg) -> int:
 def trainer_state(cfg, run_id: str, version: int, num_train_prompts: int) -> dict:
     """The state saved next to checkpoint policy_v<version>: the input of iteration `version`."""
     position = version * cursor_batch_size(cfg)
-    return {"run_id": run_id, "iteration": version, "policy_version": version,
-            "experiment_name": cfg.trainer.experiment_name, "config_hash": cfg.config_hash(),
-            "resume_hash": resume_hash(cfg),
-            "data_cursor": {"position": position, "epoch": position // max(num_train_prompts, 1),
-                            "position_in_epoch": position % max(num_train_prompts, 1),
-                            "num_train_prompts": num_train_prompts},
-            # the seeds iteration `version` uses (stages/seeds.py)
-            "seeds": seeds.recorded(cfg, version)}
+    return {
+        "run_id": run_id,
+        "iteration": version,
+        "policy_version": version,
+        "experiment_name": cfg.trainer.experiment_name,
+        "config_hash": cfg.config_hash(),
+        "resume_hash": resume_hash(cfg),
+        "data_cursor": {
+            "position": position,
+            "epoch": position // max(num_train_prompts, 1),
+            "position_in_epoch": position % max(num_train_prompts, 1),
+            "num_train_prompts": num_train_prompts,
+        },
+        # the seeds iteration `version` uses (stages/seeds.py)
+        "seeds": seeds.recorded(cfg, version),
+    }
 
 
 def write_trainer_state(policy_dir: str | Path, state: dict) -> Path:
@@ -137,28 +155,37 @@ def check_trainer_state(state: dict | None, cfg, policy_dir: Path, version: int)
     if state is None:
         return  # killed between the checkpoint and its state file: the Delta tables decided the point
     if state.get("iteration") != version:
-        raise ValueError(f"{policy_dir / STATE_FILE} says iteration {state.get('iteration')}, but the directory is "
-                         f"policy_v{version}: the checkpoint directory was renamed or copied over; "
-                         "resume from the directory its state names, or delete the stale state file.")
+        raise ValueError(
+            f"{policy_dir / STATE_FILE} says iteration {state.get('iteration')}, but the directory is "
+            f"policy_v{version}: the checkpoint directory was renamed or copied over; "
+            "resume from the directory its state names, or delete the stale state file."
+        )
     if state.get("resume_hash") != resume_hash(cfg) and not cfg.trainer.resume_allow_config_change:
         raise ValueError(
             f"cannot resume from {policy_dir}: it was written under config hash {state.get('resume_hash')} "
             f"(config_hash {state.get('config_hash')}), this config hashes to {resume_hash(cfg)}, so the resumed "
             "iterations would not continue the same run. Resume with the run's original config, start a new run "
-            "(trainer.resume_mode=disable or another --run-id), or set trainer.resume_allow_config_change=true.")
+            "(trainer.resume_mode=disable or another --run-id), or set trainer.resume_allow_config_change=true."
+        )
     cursor = state.get("data_cursor", {})
     if cursor.get("position") != version * cursor_batch_size(cfg):
-        raise ValueError(f"{policy_dir / STATE_FILE}: data cursor position {cursor.get('position')} != iteration "
-                         f"{version} x {cursor_batch_size(cfg)} prompts per iteration; the batch size changed "
-                         "since the checkpoint: resume with the original data.train_batch_size / gen_batch_size.")
+        raise ValueError(
+            f"{policy_dir / STATE_FILE}: data cursor position {cursor.get('position')} != iteration "
+            f"{version} x {cursor_batch_size(cfg)} prompts per iteration; the batch size changed "
+            "since the checkpoint: resume with the original data.train_batch_size / gen_batch_size."
+        )
 
 
 def expected_model_signature(model_cfg) -> dict | None:
     """architectures / vocab / width / depth the run's model has (None when it cannot be known cheaply)."""
     if model_cfg.path == "tiny":
         t = model_cfg.tiny
-        return {"architectures": ["Qwen2ForCausalLM"], "vocab_size": len(build_char_tokenizer()),
-                "hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers}
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": len(build_char_tokenizer()),
+            "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers,
+        }
     path = Path(model_cfg.path) / "config.json"
     if not path.is_file():
         return None
@@ -171,14 +198,18 @@ def check_causal_lm_dir(path: str | Path, *, what: str) -> dict:
     p = Path(path)
     conf_path = p / "config.json"
     if not conf_path.is_file():
-        raise FileNotFoundError(f"{what} '{p}' is not an HF checkpoint directory (no config.json); point it at a "
-                                "directory written by save_pretrained (e.g. output_dir/checkpoints/<run>/policy_vN).")
+        raise FileNotFoundError(
+            f"{what} '{p}' is not an HF checkpoint directory (no config.json); point it at a "
+            "directory written by save_pretrained (e.g. output_dir/checkpoints/<run>/policy_vN)."
+        )
     conf = json.loads(conf_path.read_text())
     archs = conf.get("architectures") or []
     if not any(a.endswith("ForCausalLM") for a in archs):
-        raise ValueError(f"{what} '{p}' holds a {archs or conf.get('model_type')} model, not a causal LM "
-                         "(architectures must name a *ForCausalLM class): RL training generates with and updates "
-                         "a causal LM; point it at a causal-LM checkpoint (e.g. Qwen2ForCausalLM, LlamaForCausalLM).")
+        raise ValueError(
+            f"{what} '{p}' holds a {archs or conf.get('model_type')} model, not a causal LM "
+            "(architectures must name a *ForCausalLM class): RL training generates with and updates "
+            "a causal LM; point it at a causal-LM checkpoint (e.g. Qwen2ForCausalLM, LlamaForCausalLM)."
+        )
     return conf
 
 
@@ -191,11 +222,14 @@ def check_architecture(ckpt_dir: str | Path, model_cfg) -> None:
     diff = {k: (conf.get(k), v) for k, v in want.items() if conf.get(k) != v}
     if diff:
         listed = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
-        raise ValueError(f"checkpoint '{ckpt_dir}' is another architecture than this run's model "
-                         f"(model.path={model_cfg.path!r}): {listed}. Resume with the config the checkpoint was "
-                         "trained with, or start a fresh run (trainer.resume_mode=disable).")
+        raise ValueError(
+            f"checkpoint '{ckpt_dir}' is another architecture than this run's model "
+            f"(model.path={model_cfg.path!r}): {listed}. Resume with the config the checkpoint was "
+            "trained with, or start a fresh run (trainer.resume_mode=disable)."
+        )
 
 
+# long: one decision table (disable / fresh / resumable / done / resume), each case a return with its reason
 def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan:
     """Decide where `rlake train` starts. run_id: --run-id or trainer.run_id (None: not given);
     total: iterations the run should reach (default trainer.total_training_steps)."""
@@ -206,14 +240,21 @@ def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan
     if mode == "resume_path":
         return _plan_from_path(cfg, run_id, ckpt_root, total)
     if mode == "disable":
-        note = f" (run {run_id} exists: its partitions are replaced)" if run_id and (ckpt_root / run_id).exists() else ""
+        note = (
+            f" (run {run_id} exists: its partitions are replaced)" if run_id and (ckpt_root / run_id).exists() else ""
+        )
         return ResumePlan(run_id, 0, True, f"resume_mode=disable: starting at iteration 0{note}")
     given = run_id is not None
     if run_id is None:
         run_id = find_resumable_run(ckpt_root, cfg.trainer.experiment_name, resume_hash(cfg), total)
         if run_id is None:
-            return ResumePlan(None, 0, True, "resume_mode=auto: no unfinished run of experiment "
-                              f"'{cfg.trainer.experiment_name}' with resume hash {resume_hash(cfg)}: starting fresh")
+            return ResumePlan(
+                None,
+                0,
+                True,
+                "resume_mode=auto: no unfinished run of experiment "
+                f"'{cfg.trainer.experiment_name}' with resume hash {resume_hash(cfg)}: starting fresh",
+            )
     ms = ModelStore(ckpt_root, run_id)
     done, versions = completed_iterations(metrics_uri, run_id), ms.versions()
     if not done and not versions:
@@ -223,33 +264,54 @@ def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan
         check_architecture(ms.policy_dir(start), cfg.model)
         check_trainer_state(read_trainer_state(ms.policy_dir(start)), cfg, ms.policy_dir(start), start)
     if not setup and start >= total:
-        return ResumePlan(run_id, start, False, f"resume_mode=auto: run {run_id} already ran {start} of "
-                          f"trainer.total_training_steps={total} iterations: nothing to do (raise "
-                          "total_training_steps to continue it, or pass another --run-id)")
+        return ResumePlan(
+            run_id,
+            start,
+            False,
+            f"resume_mode=auto: run {run_id} already ran {start} of "
+            f"trainer.total_training_steps={total} iterations: nothing to do (raise "
+            "total_training_steps to continue it, or pass another --run-id)",
+        )
     first_missing = next((k for k in range(total + 1) if k not in done), total)
     how = "given run id" if given else "newest unfinished run of this experiment and config"
     where = "set-up (incomplete)" if setup else f"iteration {start} from policy_v{start}"
-    rolled = f", rolled back from iteration {first_missing} to the newest kept checkpoint" if not setup and start < first_missing else ""
-    return ResumePlan(run_id, start, setup, f"resume_mode=auto: resuming {run_id} ({how}) at {where}{rolled}; "
-                                            f"completed iterations: {sorted(i for i in done if i >= 0)}")
+    rolled = (
+        f", rolled back from iteration {first_missing} to the newest kept checkpoint"
+        if not setup and start < first_missing
+        else ""
+    )
+    return ResumePlan(
+        run_id,
+        start,
+        setup,
+        f"resume_mode=auto: resuming {run_id} ({how}) at {where}{rolled}; "
+        f"completed iterations: {sorted(i for i in done if i >= 0)}",
+    )
 
 
 def _plan_from_path(cfg, run_id: str | None, ckpt_root: Path, total: int) -> ResumePlan:
     path = Path(cfg.trainer.resume_from_path).resolve()
     m = _VERSION_DIR.match(path.name)
     if not path.is_dir() or m is None:
-        raise FileNotFoundError(f"trainer.resume_from_path '{path}' is not a policy_v<N> checkpoint directory; "
-                                f"pick one of {sorted(str(p) for p in ckpt_root.glob('*/policy_v*'))[:8]}.")
+        raise FileNotFoundError(
+            f"trainer.resume_from_path '{path}' is not a policy_v<N> checkpoint directory; "
+            f"pick one of {sorted(str(p) for p in ckpt_root.glob('*/policy_v*'))[:8]}."
+        )
     if path.parent.parent != ckpt_root:
-        raise ValueError(f"trainer.resume_from_path '{path}' is not under this run's checkpoints ({ckpt_root}): "
-                         "a resumed run continues the Delta tables of the same output_dir; set trainer.output_dir "
-                         f"to '{path.parent.parent.parent}' or copy the checkpoint there.")
+        raise ValueError(
+            f"trainer.resume_from_path '{path}' is not under this run's checkpoints ({ckpt_root}): "
+            "a resumed run continues the Delta tables of the same output_dir; set trainer.output_dir "
+            f"to '{path.parent.parent.parent}' or copy the checkpoint there."
+        )
     ckpt_run = path.parent.name
     if run_id is not None and run_id != ckpt_run:
-        raise ValueError(f"--run-id/trainer.run_id '{run_id}' differs from the run of resume_from_path ('{ckpt_run}'); "
-                         "drop the run id or resume from a checkpoint of that run.")
+        raise ValueError(
+            f"--run-id/trainer.run_id '{run_id}' differs from the run of resume_from_path ('{ckpt_run}'); "
+            "drop the run id or resume from a checkpoint of that run."
+        )
     version = int(m.group(1))
     check_architecture(path, cfg.model)
     check_trainer_state(read_trainer_state(path), cfg, path, version)
-    return ResumePlan(ckpt_run, version, False, f"resume_mode=resume_path: resuming {ckpt_run} at iteration "
-                                                f"{version} from {path}")
+    return ResumePlan(
+        ckpt_run, version, False, f"resume_mode=resume_path: resuming {ckpt_run} at iteration {version} from {path}"
+    )

@@ -6,6 +6,7 @@ Runs without Ray (unit tests call `ppo_update` directly); the policy update runs
 run's persistent gloo worker group. Old log-probs are recomputed by the policy before the first optimizer
 step (verl's `compute_log_prob`), so the PPO ratio is exactly 1 at the first micro-batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,6 @@ from stages.algos.losses import gather_logprobs
 from stages.train.batching import actor_batch, response_logits, select_rows
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, mean_over_workers, ppo_loop
-
 
 
 def _world_size() -> int:
@@ -35,8 +35,20 @@ def compute_logprobs(model, batch: dict, micro_batch_size: int, temperature: flo
     return torch.cat(out)
 
 
-def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prompt: int,
-               pad_id: int, seed: int = 0, ddp_model=None, temperature: float = 1.0) -> dict[str, float]:
+# long: the docstring and the shared loop's arguments, one per line; the logic is the 20 lines between
+def ppo_update(
+    model,
+    optimizer,
+    scheduler,
+    rows: dict,
+    actor_cfg,
+    *,
+    n_per_prompt: int,
+    pad_id: int,
+    seed: int = 0,
+    ddp_model=None,
+    temperature: float = 1.0,
+) -> dict[str, float]:
     """One iteration's policy optimization on this worker's share of the batch.
 
     Args:
@@ -65,10 +77,20 @@ def ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, n_per_prom
         return actor_loss(response_logits(train_model, mb, temperature), mb, actor_cfg)  # logits (n_mb, L, V)
 
     no_sync = ddp_model.no_sync if ddp_model is not None else None
-    ppo_loop(n, mini_batch_size=per_worker_mini, micro_batch_size=mb_size, epochs=actor_cfg.ppo_epochs, seed=seed,
-             backward=lambda micro: accumulate_grads(batch, micro, loss_fn, metrics, no_sync=no_sync),
-             finish_grads=lambda: clip_grads(model, actor_cfg.optim.grad_clip), optimizer=optimizer,
-             scheduler=scheduler, metrics=metrics, prefix="actor", error=ACTOR_GRAD_ERROR)
+    ppo_loop(
+        n,
+        mini_batch_size=per_worker_mini,
+        micro_batch_size=mb_size,
+        epochs=actor_cfg.ppo_epochs,
+        seed=seed,
+        backward=lambda micro: accumulate_grads(batch, micro, loss_fn, metrics, no_sync=no_sync),
+        finish_grads=lambda: clip_grads(model, actor_cfg.optim.grad_clip),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        prefix="actor",
+        error=ACTOR_GRAD_ERROR,
+    )
     model.eval()
     out = mean_over_workers(metrics.means(), world)
     out["actor/num_rollouts"] = float(n * world)

@@ -3,6 +3,7 @@
 Layout (verl's): prompts left-padded to P, responses right-padded to L, so the logits at
 positions P-1 .. P+L-2 predict the L response tokens of every row.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,8 +12,9 @@ import torch
 from torch import Tensor
 
 
-def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                 pad_id: int) -> dict[str, Tensor]:
+def pad_rollouts(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, Tensor]:
     """Returns input_ids (N, P+L), attention_mask (N, P+L), position_ids (N, P+L),
     responses (N, L), response_mask (N, L) float, prompt_len P."""
     assert len(prompts) == len(responses), f"{len(prompts)=} {len(responses)=}"
@@ -22,15 +24,21 @@ def pad_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
     ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
     attn = torch.zeros((n, p_len + r_len), dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        ids[i, p_len - len(p):p_len] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, p_len - len(p):p_len] = 1
+        ids[i, p_len - len(p) : p_len] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, p_len - len(p) : p_len] = 1
         if len(r):
-            ids[i, p_len:p_len + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            attn[i, p_len:p_len + len(r)] = 1
+            ids[i, p_len : p_len + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            attn[i, p_len : p_len + len(r)] = 1
     position_ids = (attn.cumsum(dim=-1) - 1).clamp(min=0)  # (N, T)
     response_mask = attn[:, p_len:].float()  # (N, L)
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids,
-            "responses": ids[:, p_len:], "response_mask": response_mask, "prompt_len": p_len}
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": position_ids,
+        "responses": ids[:, p_len:],
+        "response_mask": response_mask,
+        "prompt_len": p_len,
+    }
 
 
 def logprob_temperature(rollout_temperature: float) -> float:
@@ -52,8 +60,13 @@ def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -
     50k and long prompts, full-sequence float32 logits (and their gradients) were most of a
     trainer's memory."""
     l_len = batch["responses"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=l_len + 1)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        logits_to_keep=l_len + 1,
+    )
     return tempered(out.logits[:, :l_len], temperature)  # positions P-1 .. P+L-2: (N, L, V)
 
 
@@ -67,7 +80,7 @@ def ragged_to_padded(lists, width: int) -> Tensor:
     out = torch.zeros(len(lists), width)
     for i, values in enumerate(lists):
         values = list(values)
-        out[i, :len(values)] = torch.as_tensor(values, dtype=torch.float32)
+        out[i, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
     return out
 
 
@@ -89,7 +102,9 @@ def actor_batch(rows: dict, pad_id: int, *, use_kl_loss: bool) -> dict[str, Tens
     batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
     if use_kl_loss:
         if "ref_logprobs" not in rows:
-            raise ValueError("actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
-                             "reference log-prob stage or set actor.use_kl_loss=False.")
+            raise ValueError(
+                "actor.use_kl_loss=True needs ref_logprobs in the batch; enable the "
+                "reference log-prob stage or set actor.use_kl_loss=False."
+            )
         batch["ref_logprobs"] = ragged_to_padded(rows["ref_logprobs"], batch["responses"].shape[1])  # (N, L)
     return batch

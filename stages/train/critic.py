@@ -21,6 +21,7 @@ Choices (verl semantics):
   rollouts, clipped value loss (stages.algos.value) against the rollout-time values, grad clip
   critic.optim.grad_clip.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,9 +44,24 @@ from stages.train.batching import pad_rollouts, ragged_to_padded, select_rows
 from stages.train.optim import CRITIC_GRAD_ERROR, clip_grads, make_optimizer, restore_optimizer
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, critic_loss, ppo_loop
 
-__all__ = ["METRICS_FILE", "OPTIMIZER_FILE", "compute_values", "critic_data_metrics", "critic_metrics",
-           "critic_update", "init_critic", "load_critic", "prune_critics", "ragged_to_padded", "require_critic",
-           "response_values", "run_critic_update", "torch_threads", "update_rows", "values_frame"]
+__all__ = [
+    "METRICS_FILE",
+    "OPTIMIZER_FILE",
+    "compute_values",
+    "critic_data_metrics",
+    "critic_metrics",
+    "critic_update",
+    "init_critic",
+    "load_critic",
+    "prune_critics",
+    "ragged_to_padded",
+    "require_critic",
+    "response_values",
+    "run_critic_update",
+    "torch_threads",
+    "update_rows",
+    "values_frame",
+]
 
 METRICS_FILE = "critic_metrics.json"
 
@@ -85,10 +101,11 @@ def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -
         try:
             critic = AutoModelForTokenClassification.from_config(config)
         except ValueError as exc:
-            raise ValueError(f"cannot build a value model from the policy at '{policy_dir}' ({config.model_type}): "
-                             f"transformers has no token-classification head for it ({exc}); PPO with GAE needs "
-                             "one, so pick a model type that has one (Qwen2, Llama, ...) or another adv_estimator"
-                             ) from exc
+            raise ValueError(
+                f"cannot build a value model from the policy at '{policy_dir}' ({config.model_type}): "
+                f"transformers has no token-classification head for it ({exc}); PPO with GAE needs "
+                "one, so pick a model type that has one (Qwen2, Llama, ...) or another adv_estimator"
+            ) from exc
     prefix = critic.base_model_prefix
     critic.get_submodule(prefix).load_state_dict(policy.get_submodule(policy.base_model_prefix).state_dict())
     return _save(critic, tok, out, metrics={})
@@ -102,24 +119,30 @@ def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
         return path
     if version == 0:
         return init_critic(store.require(0, needed_by=needed_by), path, seed=seed)
-    have = sorted(int(p.name[len("critic_v"):]) for p in store.dir.glob("critic_v*")
-                  if p.name[len("critic_v"):].isdigit())
+    have = sorted(
+        int(p.name[len("critic_v") :]) for p in store.dir.glob("critic_v*") if p.name[len("critic_v") :].isdigit()
+    )
     raise FileNotFoundError(
         f"{needed_by} needs critic version {version} at {path}, which does not exist (have {have}). Version "
-        f"{version} is written by iteration {version - 1}'s critic_checkpoint: materialize that first.")
+        f"{version} is written by iteration {version - 1}'s critic_checkpoint: materialize that first."
+    )
 
 
 def load_critic(critic_dir: str | Path):
     """(value model in eval mode, tokenizer) of a critic directory written by init_critic / the update."""
     path = Path(critic_dir)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is created "
-                                "from policy version 0 by the values asset of iteration 0: materialize it first.")
+        raise FileNotFoundError(
+            f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is created "
+            "from policy version 0 by the values asset of iteration 0: materialize it first."
+        )
     with _quiet_transformers():
         model = AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
     if model.config.num_labels != 1:
-        raise ValueError(f"critic at '{path}' has num_labels={model.config.num_labels}; a value model needs 1. "
-                         "Delete it and let iteration 0 re-create it from the policy.")
+        raise ValueError(
+            f"critic at '{path}' has num_labels={model.config.num_labels}; a value model needs 1. "
+            "Delete it and let iteration 0 re-create it from the policy."
+        )
     return model.eval(), load_tokenizer(path)
 
 
@@ -137,10 +160,14 @@ def _save(model, tok, out: Path, *, metrics: dict, optimizer=None, scheduler=Non
 
 def response_values(model, batch: dict) -> Tensor:
     """Values of the states before each response token: (N, L) (see the module docstring)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    )
     p_len, l_len = batch["prompt_len"], batch["responses"].shape[1]
-    return out.logits[:, p_len - 1:p_len - 1 + l_len, 0].float()  # (N, L)
+    return out.logits[:, p_len - 1 : p_len - 1 + l_len, 0].float()  # (N, L)
 
 
 @torch.no_grad()
@@ -148,24 +175,36 @@ def compute_values(model, prompts, responses, pad_id: int, micro_batch_size: int
     """Per-token values of each rollout's response tokens: N lists of len(response) floats."""
     batch = pad_rollouts(prompts, responses, pad_id)
     n = batch["input_ids"].shape[0]
-    vals = torch.cat([response_values(model, select_rows(batch, torch.arange(s, min(s + micro_batch_size, n))))
-                      for s in range(0, n, micro_batch_size)])  # (N, L)
-    return [vals[i, :len(r)].tolist() for i, r in enumerate(responses)]
+    vals = torch.cat(
+        [
+            response_values(model, select_rows(batch, torch.arange(s, min(s + micro_batch_size, n))))
+            for s in range(0, n, micro_batch_size)
+        ]
+    )  # (N, L)
+    return [vals[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
 
-def values_frame(rollouts: pd.DataFrame, critic_dir: str | Path, *, critic_version: int,
-                 micro_batch_size: int, threads: int = 1) -> pd.DataFrame:
+def values_frame(
+    rollouts: pd.DataFrame, critic_dir: str | Path, *, critic_version: int, micro_batch_size: int, threads: int = 1
+) -> pd.DataFrame:
     """Rows of the `values` table: rollout_id, critic_version, values (one float per response token)."""
     model, tok = load_critic(critic_dir)
     with torch_threads(threads):
-        vals = compute_values(model, [list(p) for p in rollouts["prompt_token_ids"]],
-                              [list(r) for r in rollouts["response_token_ids"]], tok.pad_token_id, micro_batch_size)
-    return pd.DataFrame({"rollout_id": rollouts["rollout_id"].to_numpy(), "critic_version": critic_version,
-                         "values": vals})
+        vals = compute_values(
+            model,
+            [list(p) for p in rollouts["prompt_token_ids"]],
+            [list(r) for r in rollouts["response_token_ids"]],
+            tok.pad_token_id,
+            micro_batch_size,
+        )
+    return pd.DataFrame(
+        {"rollout_id": rollouts["rollout_id"].to_numpy(), "critic_version": critic_version, "values": vals}
+    )
 
 
-def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_prompt: int, pad_id: int,
-                  seed: int = 0) -> dict[str, float]:
+def critic_update(
+    model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_prompt: int, pad_id: int, seed: int = 0
+) -> dict[str, float]:
     """One iteration's critic optimization (single process) through the PPO loop (stages.train.ppo_loop).
 
     Args:
@@ -188,10 +227,20 @@ def critic_update(model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_
         return critic_loss(response_values(model, mb), mb, critic_cfg)  # values (n_mb, L)
 
     model.train()
-    ppo_loop(n, mini_batch_size=mini_size, micro_batch_size=micro, epochs=critic_cfg.ppo_epochs, seed=seed,
-             backward=lambda micro_idx: accumulate_grads(batch, micro_idx, loss_fn, metrics),
-             finish_grads=lambda: clip_grads(model, critic_cfg.optim.grad_clip), optimizer=optimizer,
-             scheduler=scheduler, metrics=metrics, prefix="critic", error=CRITIC_GRAD_ERROR)
+    ppo_loop(
+        n,
+        mini_batch_size=mini_size,
+        micro_batch_size=micro,
+        epochs=critic_cfg.ppo_epochs,
+        seed=seed,
+        backward=lambda micro_idx: accumulate_grads(batch, micro_idx, loss_fn, metrics),
+        finish_grads=lambda: clip_grads(model, critic_cfg.optim.grad_clip),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        prefix="critic",
+        error=CRITIC_GRAD_ERROR,
+    )
     model.eval()
     return metrics.means()
 
@@ -201,15 +250,32 @@ def update_rows(advantages: pd.DataFrame, values: pd.DataFrame) -> dict:
     df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="left", validate="one_to_one")
     missing = df.loc[df["values"].isna(), "rollout_id"].tolist()[:10]
     if missing:
-        raise ValueError(f"rollouts {missing} have advantages but no row in the values table; re-materialize "
-                         "`values` and `advantages` of this iteration so both come from the same rollouts")
+        raise ValueError(
+            f"rollouts {missing} have advantages but no row in the values table; re-materialize "
+            "`values` and `advantages` of this iteration so both come from the same rollouts"
+        )
     df = df.sort_values("rollout_id").reset_index(drop=True)
-    return {k: [list(x) for x in df[c]] for k, c in (("prompt_token_ids", "prompt_token_ids"),
-            ("response_token_ids", "response_token_ids"), ("values", "values"), ("returns", "returns"))}
+    return {
+        k: [list(x) for x in df[c]]
+        for k, c in (
+            ("prompt_token_ids", "prompt_token_ids"),
+            ("response_token_ids", "response_token_ids"),
+            ("values", "values"),
+            ("returns", "returns"),
+        )
+    }
 
 
-def run_critic_update(critic_dir: str | Path, out_dir: str | Path, rows: dict, critic_cfg, *, n_per_prompt: int,
-                      seed: int, threads: int = 1) -> dict[str, float]:
+def run_critic_update(
+    critic_dir: str | Path,
+    out_dir: str | Path,
+    rows: dict,
+    critic_cfg,
+    *,
+    n_per_prompt: int,
+    seed: int,
+    threads: int = 1,
+) -> dict[str, float]:
     """Load critic version v (and its optimizer state), update it on `rows`, write version v+1 to out_dir."""
     model, tok = load_critic(critic_dir)
     opt, sched = make_optimizer(model, critic_cfg.optim)
@@ -217,8 +283,9 @@ def run_critic_update(critic_dir: str | Path, out_dir: str | Path, rows: dict, c
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch_threads(threads):
-        metrics = critic_update(model, opt, sched, rows, critic_cfg, n_per_prompt=n_per_prompt,
-                                pad_id=tok.pad_token_id, seed=seed)
+        metrics = critic_update(
+            model, opt, sched, rows, critic_cfg, n_per_prompt=n_per_prompt, pad_id=tok.pad_token_id, seed=seed
+        )
     metrics["timing_s/critic_update"] = time.perf_counter() - t0
     _save(model, tok, Path(out_dir), metrics=metrics, optimizer=opt, scheduler=sched)
     return metrics
@@ -231,17 +298,23 @@ def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[
     width = max(1, int(df["response_token_ids"].map(len).max()))
     lengths = torch.tensor(df["response_token_ids"].map(len).to_numpy(dtype=np.int64))
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
-    tensors = {name: ragged_to_padded(df[col], width) for name, col in
-               (("values", "values"), ("returns", "returns"), ("advantages", "token_advantages"))}
+    tensors = {
+        name: ragged_to_padded(df[col], width)
+        for name, col in (("values", "values"), ("returns", "returns"), ("advantages", "token_advantages"))
+    }
     out = {}
     counted = mask > 0
     for name, t in tensors.items():
         sel = t[counted] if counted.any() else torch.zeros(1)
-        out |= {f"critic/{name}/mean": float(masked_mean(t, mask)), f"critic/{name}/max": float(sel.max()),
-                f"critic/{name}/min": float(sel.min())}
+        out |= {
+            f"critic/{name}/mean": float(masked_mean(t, mask)),
+            f"critic/{name}/max": float(sel.max()),
+            f"critic/{name}/min": float(sel.min()),
+        }
     var_ret = masked_var(tensors["returns"], mask)
-    out["critic/vf_explained_var"] = float(1.0 - masked_var(tensors["returns"] - tensors["values"], mask)
-                                           / (var_ret + 1e-5))
+    out["critic/vf_explained_var"] = float(
+        1.0 - masked_var(tensors["returns"] - tensors["values"], mask) / (var_ret + 1e-5)
+    )
     return out
 
 
@@ -249,8 +322,9 @@ def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, new_critic_di
     """An iteration's critic metrics: the data metrics plus those the update stored beside version v+1."""
     path = Path(new_critic_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no critic update metrics at {path}: materialize critic_checkpoint of this "
-                                "iteration first")
+        raise FileNotFoundError(
+            f"no critic update metrics at {path}: materialize critic_checkpoint of this iteration first"
+        )
     return critic_data_metrics(advantages, values) | json.loads(path.read_text())
 
 
@@ -258,9 +332,9 @@ def prune_critics(store, keep_every: int, latest: int) -> list[int]:
     """Delete critic versions not a multiple of keep_every, except 0 and the newest two (as policies)."""
     removed = []
     for p in sorted(store.dir.glob("critic_v*")):
-        if not p.name[len("critic_v"):].isdigit():
+        if not p.name[len("critic_v") :].isdigit():
             continue
-        v = int(p.name[len("critic_v"):])
+        v = int(p.name[len("critic_v") :])
         if v in (0, latest, latest - 1) or (keep_every > 0 and v % keep_every == 0):
             continue
         shutil.rmtree(p)

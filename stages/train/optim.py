@@ -2,6 +2,7 @@
 global-norm gradient clipping, one checked optimizer step, and the one loader of the optimizer state
 stored beside a checkpoint (stages.io.checkpoints.OPTIMIZER_FILE, HF parameter order).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,25 +13,40 @@ from torch import Tensor
 
 from stages.io.checkpoints import load_optimizer_state, save_optimizer_state
 
-__all__ = ["ACTOR_GRAD_ERROR", "CRITIC_GRAD_ERROR", "clip_grads", "load_optimizer_state", "make_optimizer",
-           "optimizer_step", "restore_optimizer", "save_optimizer_state"]
+__all__ = [
+    "ACTOR_GRAD_ERROR",
+    "CRITIC_GRAD_ERROR",
+    "clip_grads",
+    "load_optimizer_state",
+    "make_optimizer",
+    "optimizer_step",
+    "restore_optimizer",
+    "save_optimizer_state",
+]
 
 ACTOR_GRAD_ERROR = "non-finite grad norm {norm} at update; lower actor.optim.lr or check the advantages table"
-CRITIC_GRAD_ERROR = ("non-finite critic grad norm {norm}; lower critic.optim.lr or check the returns in the "
-                     "advantages table")
+CRITIC_GRAD_ERROR = (
+    "non-finite critic grad norm {norm}; lower critic.optim.lr or check the returns in the advantages table"
+)
 
 
 def make_optimizer(model, optim_cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over model.parameters() and a LambdaLR scheduler ramping linearly over lr_warmup_steps steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                            weight_decay=optim_cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+    )
     warm = optim_cfg.lr_warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
     return opt, sched
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler, ckpt_dir: str | Path, *,
-                      load: Callable[[torch.optim.Optimizer, dict], None] | None = None) -> bool:
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    ckpt_dir: str | Path,
+    *,
+    load: Callable[[torch.optim.Optimizer, dict], None] | None = None,
+) -> bool:
     """Load the optimizer and scheduler state stored beside the checkpoint at ckpt_dir; False (nothing
     loaded, a fresh optimizer) when it has none, as version 0.
 

@@ -11,6 +11,7 @@ data-parallel workers.
 
 Shape legend: n_mb rollouts of a micro-batch, L response len, V vocab.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -61,12 +62,24 @@ def minibatches(n: int, per_worker_mini: int, epochs: int, generator: torch.Gene
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for m0 in range(0, n, per_worker_mini):
-            yield order[m0:m0 + per_worker_mini]
+            yield order[m0 : m0 + per_worker_mini]
 
 
-def ppo_loop(n: int, *, mini_batch_size: int, micro_batch_size: int, epochs: int, seed: int,
-             backward: Callable[[list[Tensor]], None], finish_grads: Callable[[], Tensor],
-             optimizer, scheduler, metrics: MetricAccumulator, prefix: str, error: str) -> None:
+def ppo_loop(
+    n: int,
+    *,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    seed: int,
+    backward: Callable[[list[Tensor]], None],
+    finish_grads: Callable[[], Tensor],
+    optimizer,
+    scheduler,
+    metrics: MetricAccumulator,
+    prefix: str,
+    error: str,
+) -> None:
     """The optimizer steps of one update over n rollouts (see the module docstring).
 
     backward(micro-batches) runs forward/backward of one mini-batch, given as the row indices of each of
@@ -80,8 +93,14 @@ def ppo_loop(n: int, *, mini_batch_size: int, micro_batch_size: int, epochs: int
         optimizer_step(optimizer, scheduler, grad_norm, metrics.add, prefix=prefix, error=error)
 
 
-def accumulate_grads(batch: dict, micro_idx: list[Tensor], loss_fn: Callable[[dict], tuple[Tensor, dict]],
-                     metrics: MetricAccumulator, *, no_sync: Callable | None = None) -> None:
+def accumulate_grads(
+    batch: dict,
+    micro_idx: list[Tensor],
+    loss_fn: Callable[[dict], tuple[Tensor, dict]],
+    metrics: MetricAccumulator,
+    *,
+    no_sync: Callable | None = None,
+) -> None:
     """The torch `backward` of ppo_loop: loss_fn(micro-batch) -> (loss, metrics) on each micro-batch of
     `batch`, (loss / n_micro).backward(). no_sync: DDP's context manager, so that the gradients are
     all-reduced once, at the last micro-batch."""
@@ -113,9 +132,15 @@ def actor_loss(logits: Tensor, mb: dict, actor_cfg) -> tuple[Tensor, dict[str, f
     logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
     low, high = clip_bounds(actor_cfg)
     pg_loss, metrics = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)(
-        mb["old_logprobs"], logprobs, mb["advantages"], mb["response_mask"],
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
-        loss_agg_mode=actor_cfg.loss_agg_mode)
+        mb["old_logprobs"],
+        logprobs,
+        mb["advantages"],
+        mb["response_mask"],
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=actor_cfg.clip_ratio_c,
+        loss_agg_mode=actor_cfg.loss_agg_mode,
+    )
     entropy = masked_mean(entropy_from_logits(logits), mb["response_mask"])
     loss = pg_loss - actor_cfg.entropy_coeff * entropy
     metrics = {**metrics, "actor/entropy": float(entropy.detach())}
@@ -129,5 +154,11 @@ def actor_loss(logits: Tensor, mb: dict, actor_cfg) -> tuple[Tensor, dict[str, f
 def critic_loss(vpreds: Tensor, mb: dict, critic_cfg) -> tuple[Tensor, dict[str, float]]:
     """The clipped value loss of one micro-batch: vpreds (n_mb, L) against mb's returns, clipped around
     its rollout-time old_values (stages.algos.value). Returns (loss, critic/vf_loss, vf_clipfrac, ...)."""
-    return compute_value_loss(vpreds, mb["returns"], mb["old_values"], mb["response_mask"],
-                              cliprange_value=critic_cfg.cliprange_value, loss_agg_mode=critic_cfg.loss_agg_mode)
+    return compute_value_loss(
+        vpreds,
+        mb["returns"],
+        mb["old_values"],
+        mb["response_mask"],
+        cliprange_value=critic_cfg.cliprange_value,
+        loss_agg_mode=critic_cfg.loss_agg_mode,
+    )

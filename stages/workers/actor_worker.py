@@ -65,17 +65,20 @@ def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
     df = read_partition(req.advantages_uri, req.run_id, req.iteration, version=req.advantages_version)
     df = df.sort_values("rollout_id").reset_index(drop=True)
     part = df.iloc[shard_for_rank(len(df), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
-    rows = {"prompt_token_ids": [list(x) for x in part["prompt_token_ids"]],
-            "response_token_ids": [list(x) for x in part["response_token_ids"]],
-            "advantages": torch.tensor(part["advantage"].to_numpy(), dtype=torch.float32)}
+    rows = {
+        "prompt_token_ids": [list(x) for x in part["prompt_token_ids"]],
+        "response_token_ids": [list(x) for x in part["response_token_ids"]],
+        "advantages": torch.tensor(part["advantage"].to_numpy(), dtype=torch.float32),
+    }
     for column in ("token_advantages", "ref_logprobs"):
         if column in part.columns:
             rows[column] = [list(x) for x in part[column]]
     return rows
 
 
-def write_checkpoint(out_dir: str | Path, model, tok, optimizer_state: dict, scheduler_state: dict,
-                     metrics: dict, ckpt_id: str) -> None:
+def write_checkpoint(
+    out_dir: str | Path, model, tok, optimizer_state: dict, scheduler_state: dict, metrics: dict, ckpt_id: str
+) -> None:
     """HF model + optimizer state + metrics + checkpoint id, atomically: the directory is complete or absent."""
     with atomic_dir(out_dir) as tmp:
         save_policy(model, tok, tmp)
@@ -99,8 +102,12 @@ class ResidentPolicy:
     def holds(self, policy_dir: str, optim: OptimConfig) -> bool:
         """Whether this is the checkpoint at policy_dir (written by this rank, not rewritten since)."""
         want = checkpoint_id(policy_dir)
-        return (self.ckpt_dir == str(Path(policy_dir).resolve()) and want is not None and self.ckpt_id == want
-                and self.optim == optim)
+        return (
+            self.ckpt_dir == str(Path(policy_dir).resolve())
+            and want is not None
+            and self.ckpt_id == want
+            and self.optim == optim
+        )
 
 
 def load_resident(policy_dir: str, optim: OptimConfig) -> ResidentPolicy:
@@ -123,8 +130,10 @@ class ActorWorker(Worker):
         """One PPO update of req.policy_dir on this rank's rows; rank 0 writes req.out_dir. Returns this
         rank's metrics (equal on every rank: they are averaged over the group)."""
         if req.actor.strategy != self.strategy:
-            raise ValueError(f"an actor.strategy='{req.actor.strategy}' update reached a '{self.strategy}' "
-                             "ActorWorker; build the actor group with strategy=req.actor.strategy")
+            raise ValueError(
+                f"an actor.strategy='{req.actor.strategy}' update reached a '{self.strategy}' "
+                "ActorWorker; build the actor group with strategy=req.actor.strategy"
+            )
         if self.strategy == "megatron":
             return megatron_update(req)
         return self._torch_update(req)
@@ -132,8 +141,11 @@ class ActorWorker(Worker):
     def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
         torch.manual_seed(seeds.update_rank(req.seed, self.rank))
         t0 = time.perf_counter()
-        res = self.resident if self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim) \
+        res = (
+            self.resident
+            if self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim)
             else None
+        )
         self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
         from_disk = res is None
         if res is None:
@@ -141,15 +153,31 @@ class ActorWorker(Worker):
         ddp = DistributedDataParallel(res.model) if self.world > 1 else None
         rows = read_rows(req, self.rank, self.world)
         t_load = time.perf_counter() - t0
-        metrics = ppo_update(res.model, res.optimizer, res.scheduler, rows, req.actor, n_per_prompt=req.n_per_prompt,
-                             pad_id=res.tokenizer.pad_token_id, seed=req.seed, ddp_model=ddp,
-                             temperature=req.temperature)
+        metrics = ppo_update(
+            res.model,
+            res.optimizer,
+            res.scheduler,
+            rows,
+            req.actor,
+            n_per_prompt=req.n_per_prompt,
+            pad_id=res.tokenizer.pad_token_id,
+            seed=req.seed,
+            ddp_model=ddp,
+            temperature=req.temperature,
+        )
         metrics["timing_s/update_load"] = t_load
         metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
         metrics["actor/weights_loaded_from_disk"] = float(from_disk)
         if self.rank == 0:
-            write_checkpoint(req.out_dir, res.model, res.tokenizer, res.optimizer.state_dict(),
-                             res.scheduler.state_dict(), metrics, req.checkpoint_id)
+            write_checkpoint(
+                req.out_dir,
+                res.model,
+                res.tokenizer,
+                res.optimizer.state_dict(),
+                res.scheduler.state_dict(),
+                metrics,
+                req.checkpoint_id,
+            )
         if self.world > 1:
             dist.barrier()  # every rank sees the checkpoint before keeping its state resident
         res.ckpt_dir, res.ckpt_id = str(Path(req.out_dir).resolve()), req.checkpoint_id
@@ -178,8 +206,10 @@ def megatron_update(req: UpdateRequest) -> dict[str, float]:
     pp = req.actor.megatron.pipeline_model_parallel_size
     world = dist.get_world_size()
     if world % (tp * pp):
-        raise ValueError(f"{world} workers cannot form a TP x PP grid of {tp} x {pp}; "
-                         "set actor.num_workers to a multiple of their product.")
+        raise ValueError(
+            f"{world} workers cannot form a TP x PP grid of {tp} x {pp}; "
+            "set actor.num_workers to a multiple of their product."
+        )
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
         return _megatron_update_grid(req, tp, pp)
@@ -201,12 +231,17 @@ def _megatron_load(req: UpdateRequest, tp: int, pp: int):
     arch = hf_arch(hf_model.config)
     model = build_gpt_model(arch, tp, pp)
     tp_rank, pp_rank = model_parallel_ranks()
-    model.load_state_dict(hf_to_megatron(hf_model.state_dict(), arch, tp=tp, pp=pp, tp_rank=tp_rank,
-                                         pp_rank=pp_rank), strict=True)
+    model.load_state_dict(
+        hf_to_megatron(hf_model.state_dict(), arch, tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank), strict=True
+    )
     hf_names = [n for n, _ in hf_model.named_parameters()]
     opt, sched = make_optimizer(model, req.actor.optim)
-    restore_optimizer(opt, sched, req.policy_dir, load=lambda o, state: import_optimizer_state(
-        o, model, state, arch, hf_names, tp=tp, pp=pp))
+    restore_optimizer(
+        opt,
+        sched,
+        req.policy_dir,
+        load=lambda o, state: import_optimizer_state(o, model, state, arch, hf_names, tp=tp, pp=pp),
+    )
     return hf_model, tok, arch, model, opt, sched, hf_names
 
 
@@ -219,10 +254,19 @@ def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int) -> dict[str, flo
     rows = read_rows(req, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     t_load = time.perf_counter() - t0
     metrics = megatron_ppo_update(
-        model, opt, sched, rows, req.actor, vocab_size=arch.vocab_size, tied=arch.tied,
-        n_per_prompt=req.n_per_prompt, pad_id=tok.pad_token_id, seed=req.seed,
+        model,
+        opt,
+        sched,
+        rows,
+        req.actor,
+        vocab_size=arch.vocab_size,
+        tied=arch.tied,
+        n_per_prompt=req.n_per_prompt,
+        pad_id=tok.pad_token_id,
+        seed=req.seed,
         micro_batch_size=req.actor.megatron.micro_batch_size or req.actor.ppo_micro_batch_size,
-        temperature=req.temperature)
+        temperature=req.temperature,
+    )
     metrics["timing_s/update_load"] = t_load
     metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
     metrics["actor/weights_loaded_from_disk"] = 1.0  # megatron shards are rebuilt from the HF checkpoint

@@ -18,16 +18,26 @@ from stages.workers.requests import CriticUpdateRequest
 
 
 class CriticWorker(Worker):
-    def compute_values(self, rollouts: pd.DataFrame, critic_dir: str, critic_version: int,
-                       micro_batch_size: int) -> pd.DataFrame:
+    def compute_values(
+        self, rollouts: pd.DataFrame, critic_dir: str, critic_version: int, micro_batch_size: int
+    ) -> pd.DataFrame:
         """Rows of the `values` table for these rollouts: rollout_id, critic_version, values (one float per
         response token) under the critic at critic_dir."""
-        return values_frame(rollouts, critic_dir, critic_version=critic_version, micro_batch_size=micro_batch_size,
-                            threads=self.threads)
+        return values_frame(
+            rollouts, critic_dir, critic_version=critic_version, micro_batch_size=micro_batch_size, threads=self.threads
+        )
 
-    def update_critic(self, req: CriticUpdateRequest, advantages: pd.DataFrame, values: pd.DataFrame
-                      ) -> dict[str, float]:
+    def update_critic(
+        self, req: CriticUpdateRequest, advantages: pd.DataFrame, values: pd.DataFrame
+    ) -> dict[str, float]:
         """Train critic version req.iteration towards the advantages table's GAE returns (clipped against the
         rollout-time values) and write version iteration + 1 to req.out_dir; returns the update metrics."""
-        return run_critic_update(req.critic_dir, req.out_dir, update_rows(advantages, values), req.critic,
-                                 n_per_prompt=req.n_per_prompt, seed=req.seed, threads=self.threads)
+        return run_critic_update(
+            req.critic_dir,
+            req.out_dir,
+            update_rows(advantages, values),
+            req.critic,
+            n_per_prompt=req.n_per_prompt,
+            seed=req.seed,
+            threads=self.threads,
+        )

@@ -73,8 +73,10 @@ def _method_name(worker_cls: type, method: Callable) -> str:
     """The name of `method` after checking it is a method of worker_cls (a typo fails here, not in Ray)."""
     name = getattr(method, "__name__", None)
     if name is None or getattr(worker_cls, name, None) is not method:
-        raise TypeError(f"{method!r} is not a method of {worker_cls.__name__}; call the group with one, "
-                        f"e.g. {worker_cls.__name__}.{name or 'method'}")
+        raise TypeError(
+            f"{method!r} is not a method of {worker_cls.__name__}; call the group with one, "
+            f"e.g. {worker_cls.__name__}.{name or 'method'}"
+        )
     return name
 
 
@@ -142,14 +144,23 @@ def _kill_named(name: str) -> None:
         pass
 
 
-def worker_group(worker_cls: type, role: str, num_workers: int, *, threads: int = 1,
-                 process_group: bool = False, **init_kwargs: Any) -> WorkerGroup:
+def worker_group(
+    worker_cls: type, role: str, num_workers: int, *, threads: int = 1, process_group: bool = False, **init_kwargs: Any
+) -> WorkerGroup:
     """The run's group of `role`, created on first use and rebuilt when its shape changed.
 
     init_kwargs go to worker_cls(rank, world, threads, shape, **init_kwargs); with process_group the
     ranks join one gloo group (rank i = actor i)."""
-    shape = repr((worker_cls.__module__, worker_cls.__qualname__, num_workers, threads, process_group,
-                  sorted(init_kwargs.items())))
+    shape = repr(
+        (
+            worker_cls.__module__,
+            worker_cls.__qualname__,
+            num_workers,
+            threads,
+            process_group,
+            sorted(init_kwargs.items()),
+        )
+    )
     handles = _find(role)
     if handles:
         try:
@@ -162,8 +173,12 @@ def worker_group(worker_cls: type, role: str, num_workers: int, *, threads: int 
     remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
     build = uuid.uuid4().hex[:8]
     _kill_groups_at_exit()
-    handles = [remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached").remote(
-        i, num_workers, threads, shape, **init_kwargs) for i in range(num_workers)]
+    handles = [
+        remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached").remote(
+            i, num_workers, threads, shape, **init_kwargs
+        )
+        for i in range(num_workers)
+    ]
     group = WorkerGroup(worker_cls, role, handles)
     if process_group and num_workers > 1:
         host, port = ray.get(handles[0].free_address.remote())
@@ -171,8 +186,7 @@ def worker_group(worker_cls: type, role: str, num_workers: int, *, threads: int 
     return group
 
 
-def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerGroup], R], *,
-                    retries: int = 1) -> R:
+def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerGroup], R], *, retries: int = 1) -> R:
     """fn(make_group()); if an actor died (not a Python error in the task), rebuild the group and retry,
     up to `retries` times, then raise the last error."""
     for attempt in range(retries + 1):
@@ -183,8 +197,13 @@ def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerG
             group.kill()
             if attempt == retries:
                 raise
-            log.warning("%s worker group lost an actor (%s); rebuilding it, retry %d of %d", group.role, exc,
-                        attempt + 1, retries)
+            log.warning(
+                "%s worker group lost an actor (%s); rebuilding it, retry %d of %d",
+                group.role,
+                exc,
+                attempt + 1,
+                retries,
+            )
     raise AssertionError("unreachable")
 
 
@@ -196,8 +215,14 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
     # a local cluster is this process's own: its namespace may be fixed (detached worker actors in the
     # anonymous namespace make the raylet print a warning); on a shared cluster each driver keeps its own
-    ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace=None if address else "rlake")
+    ray.init(
+        address=address,
+        num_cpus=None if address else num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        namespace=None if address else "rlake",
+    )
 
 
 def shutdown_worker_groups() -> None:

@@ -20,8 +20,18 @@ class RefWorker(Worker):
     """model_dir: the reference checkpoint (policy version ref_policy_version); micro_batch_size rollouts
     per forward; temperature divides the logits (the rollout's sampling temperature, as verl's ref)."""
 
-    def __init__(self, rank: int, world: int, threads: int, shape: str = "", *, model_dir: str,
-                 ref_policy_version: int, micro_batch_size: int = 64, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        threads: int,
+        shape: str = "",
+        *,
+        model_dir: str,
+        ref_policy_version: int,
+        micro_batch_size: int = 64,
+        temperature: float = 1.0,
+    ) -> None:
         super().__init__(rank, world, threads, shape)
         self.model, tok = load_policy(model_dir)
         self.model.eval()
@@ -36,13 +46,18 @@ class RefWorker(Worker):
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(batch), self.micro_batch_size):
-                part = batch.iloc[s:s + self.micro_batch_size]
+                part = batch.iloc[s : s + self.micro_batch_size]
                 prompts = [list(map(int, p)) for p in part["prompt_token_ids"]]
                 responses = [list(map(int, r)) for r in part["response_token_ids"]]
                 padded = pad_rollouts(prompts, responses, self.pad_id)
                 logits = response_logits(self.model, padded, self.temperature)  # (n, L, V)
                 logprobs = gather_logprobs(logits, padded["responses"])  # (n, L)
-                out.extend(logprobs[i, :len(r)].tolist() for i, r in enumerate(responses))
-        return pd.DataFrame({"rollout_id": batch["rollout_id"].to_numpy(),
-                             "policy_version": batch["policy_version"].to_numpy(),
-                             "ref_policy_version": self.ref_policy_version, "ref_logprobs": out})
+                out.extend(logprobs[i, : len(r)].tolist() for i, r in enumerate(responses))
+        return pd.DataFrame(
+            {
+                "rollout_id": batch["rollout_id"].to_numpy(),
+                "policy_version": batch["policy_version"].to_numpy(),
+                "ref_policy_version": self.ref_policy_version,
+                "ref_logprobs": out,
+            }
+        )

@@ -24,8 +24,9 @@ class RolloutWorker(Worker):
     engine: rollout.name ('auto' resolves to 'vllm' when installed, else 'hf'); micro_batch_size:
     rollout.micro_batch_size, prompts per engine call."""
 
-    def __init__(self, rank: int, world: int, threads: int, shape: str = "", *, engine: str = "auto",
-                 micro_batch_size: int = 256) -> None:
+    def __init__(
+        self, rank: int, world: int, threads: int, shape: str = "", *, engine: str = "auto", micro_batch_size: int = 256
+    ) -> None:
         super().__init__(rank, world, threads, shape)
         self.engine_name = resolve_engine_name(engine)
         # vLLM's CPU attention sizes its thread pool from the OpenMP runtime the process started
@@ -50,8 +51,9 @@ class RolloutWorker(Worker):
             self.last_sync = "in_place"
         else:
             self.close()
-            self.engine = build_engine(self.engine_name, model_dir, micro_batch_size=self.micro_batch_size,
-                                       num_threads=self.num_threads)
+            self.engine = build_engine(
+                self.engine_name, model_dir, micro_batch_size=self.micro_batch_size, num_threads=self.num_threads
+            )
             self.last_sync = "build"
         self.loaded, self.last_sync_s = ident, time.perf_counter() - t0
         return self.last_sync
@@ -68,10 +70,18 @@ class RolloutWorker(Worker):
         rows = []
         for (_, prow), gens in zip(batch.iterrows(), outs, strict=True):
             for k, g in enumerate(gens):
-                rows.append({**prow.to_dict(), "sample_index": k, "response_token_ids": g.token_ids,
-                             "rollout_logprobs": g.logprobs, "response_text": g.text,
-                             "response_length": len(g.token_ids), "finish_reason": g.finish_reason,
-                             "engine": self.engine.name})
+                rows.append(
+                    {
+                        **prow.to_dict(),
+                        "sample_index": k,
+                        "response_token_ids": g.token_ids,
+                        "rollout_logprobs": g.logprobs,
+                        "response_text": g.text,
+                        "response_length": len(g.token_ids),
+                        "finish_reason": g.finish_reason,
+                        "engine": self.engine.name,
+                    }
+                )
         out = pd.DataFrame(rows)
         out["generate_s"] = time.perf_counter() - t0
         out["engine_sync"] = self.last_sync

@@ -3,6 +3,7 @@
 Stages that hold a model (rollout engine, reference policy, trainer, critic) use a worker group
 (stages/workers/group.py) instead; `split_frame` cuts their batches into per-rank shards too.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,12 +32,14 @@ def _remote_call():
     """The task, defined once per process so Ray exports it once. A worker that dies is replaced and
     its block re-run up to MAX_ACTOR_RESTARTS times, RaySystemError included; an exception the stage
     raises is not retried."""
-    return ray.remote(max_retries=MAX_ACTOR_RESTARTS, retry_exceptions=[ray.exceptions.RaySystemError],
-                      scheduling_strategy="DEFAULT")(_call)
+    return ray.remote(
+        max_retries=MAX_ACTOR_RESTARTS, retry_exceptions=[ray.exceptions.RaySystemError], scheduling_strategy="DEFAULT"
+    )(_call)
 
 
-def map_with_tasks(df: pd.DataFrame, fn: Callable[[pd.DataFrame], pd.DataFrame], *, parts: int,
-                   num_cpus: float = 1.0) -> pd.DataFrame:
+def map_with_tasks(
+    df: pd.DataFrame, fn: Callable[[pd.DataFrame], pd.DataFrame], *, parts: int, num_cpus: float = 1.0
+) -> pd.DataFrame:
     """A stateless callable over `parts` contiguous blocks as Ray tasks; the output keeps block order.
 
     Tasks run in Ray's pooled worker processes, which stay warm between calls (a fresh actor pool

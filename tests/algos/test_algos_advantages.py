@@ -1,4 +1,5 @@
 """Outcome and token advantage estimators: hand-derived numbers, invariants, dispatcher."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,7 @@ def test_grpo_one_group_golden():
 
 def test_dr_grpo_drops_std_and_singleton_is_zero():
     # Dr.GRPO: r - mean = ±0.5 for group 0; group 5 has one rollout -> 0 (nothing to compare to).
-    adv = compute_grpo_advantages(T([1.0, 0.0, 0.0, 1.0, 3.0]), T([0, 0, 0, 0, 5]),
-                                  scale_by_std=False)
+    adv = compute_grpo_advantages(T([1.0, 0.0, 0.0, 1.0, 3.0]), T([0, 0, 0, 0, 5]), scale_by_std=False)
     torch.testing.assert_close(adv, T([0.5, -0.5, -0.5, 0.5, 0.0]))
 
 
@@ -69,8 +69,7 @@ def test_reinforce_plus_plus_ignores_masked_tail():
 def test_reinforce_plus_plus_baseline_golden():
     # groups {0: [1, 0], 1: [1, 1]}, L = 1: centered [0.5, -0.5, 0, 0]; batch whiten over 4
     # tokens: mean 0, unbiased var (0.25+0.25)/3 = 1/6, std 0.408248 -> [1.224745, -1.224745, 0, 0].
-    adv = compute_reinforce_plus_plus_baseline_advantages(
-        T([1.0, 0.0, 1.0, 1.0]), T([0, 0, 1, 1]), torch.ones(4, 1))
+    adv = compute_reinforce_plus_plus_baseline_advantages(T([1.0, 0.0, 1.0, 1.0]), T([0, 0, 1, 1]), torch.ones(4, 1))
     torch.testing.assert_close(adv, T([[1.224745], [-1.224745], [0.0], [0.0]]), atol=1e-5, rtol=0)
 
 
@@ -93,17 +92,21 @@ def test_group_sum():
     torch.testing.assert_close(group_sum(T([1.0, 2.0, 4.0]), T([9, 3, 9])), T([5.0, 2.0, 5.0]))
 
 
-groups = st.lists(st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=1, max_size=6),
-                  min_size=1, max_size=6)
+groups = st.lists(
+    st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=1, max_size=6), min_size=1, max_size=6
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(groups)
-@pytest.mark.parametrize("fn", [
-    lambda r, g: compute_grpo_advantages(r, g),
-    lambda r, g: compute_grpo_advantages(r, g, scale_by_std=False),
-    compute_rloo_advantages,
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda r, g: compute_grpo_advantages(r, g),
+        lambda r, g: compute_grpo_advantages(r, g, scale_by_std=False),
+        compute_rloo_advantages,
+    ],
+)
 def test_group_advantages_sum_to_zero(fn, groups):
     rewards = torch.tensor([x for grp in groups for x in grp], dtype=torch.float64)
     ids = torch.tensor([i for i, grp in enumerate(groups) for _ in grp])
@@ -118,14 +121,25 @@ def _batch(seed: int = 0):
     lengths = T([5, 3, 1, 4, 2, 5])
     mask = (torch.arange(length)[None, :] < lengths[:, None]).float()  # (N, L)
     scores = torch.randint(0, 2, (n,), generator=g).float()
-    return dict(token_level_rewards=outcome_to_token_rewards(scores, mask), response_mask=mask,
-                group_ids=T([0, 0, 0, 1, 1, 1]), values=torch.randn(n, length, generator=g),
-                baseline_rewards=torch.rand(n, generator=g))
+    return dict(
+        token_level_rewards=outcome_to_token_rewards(scores, mask),
+        response_mask=mask,
+        group_ids=T([0, 0, 0, 1, 1, 1]),
+        values=torch.randn(n, length, generator=g),
+        baseline_rewards=torch.rand(n, generator=g),
+    )
 
 
 def test_registry_names_are_verls():
-    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "opo", "reinforce_plus_plus",
-                                   "reinforce_plus_plus_baseline", "remax"}
+    assert set(ADV_ESTIMATORS) == {
+        "gae",
+        "grpo",
+        "rloo",
+        "opo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
@@ -152,11 +166,8 @@ def test_dispatcher_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"Unknown adv_estimator 'ppo'.*'gae'"):
         compute_advantages("ppo", **b)
     with pytest.raises(ValueError, match="needs values"):
-        compute_advantages("gae", token_level_rewards=b["token_level_rewards"],
-                           response_mask=b["response_mask"])
+        compute_advantages("gae", token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"])
     with pytest.raises(ValueError, match="needs group_ids"):
-        compute_advantages("rloo", token_level_rewards=b["token_level_rewards"],
-                           response_mask=b["response_mask"])
+        compute_advantages("rloo", token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"])
     with pytest.raises(ValueError, match="needs baseline_rewards"):
-        compute_advantages("remax", token_level_rewards=b["token_level_rewards"],
-                           response_mask=b["response_mask"])
+        compute_advantages("remax", token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"])

@@ -1,4 +1,5 @@
 """DAPO dynamic-sampling filter and overlong penalty."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,8 @@ def test_overlong_penalty_golden():
     # L_max 20, L_cache 4 -> ramp starts after 16 tokens: (16 - |y|)/4, floored at -1 past 20.
     # |y| = 10, 16, 17, 18, 20, 25 -> 0, 0, -0.25, -0.5, -1, -1; factor 0.5 halves them.
     lengths = T([10, 16, 17, 18, 20, 25])
-    torch.testing.assert_close(overlong_reward_penalty(lengths, 20, 4),
-                               T([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
-    torch.testing.assert_close(overlong_reward_penalty(lengths, 20, 4, 0.5),
-                               T([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    torch.testing.assert_close(overlong_reward_penalty(lengths, 20, 4), T([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(overlong_reward_penalty(lengths, 20, 4, 0.5), T([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
 
 
 @pytest.mark.parametrize("buffer", [0, 21])

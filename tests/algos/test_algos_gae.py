@@ -1,4 +1,5 @@
 """GAE: hand-derived numbers, loop vs a vectorized reference, invariance to masked positions."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,7 @@ def test_gae_golden_gamma_lam_one():
     # rewards [0, 1], values [0.5, 0.8], gamma = lam = 1:
     # delta_1 = 1 + 0 - 0.8 = 0.2 -> A_1 = 0.2; delta_0 = 0 + 0.8 - 0.5 = 0.3 -> A_0 = 0.5;
     # returns = A + V = [1.0, 1.0] (Monte-Carlo return).
-    adv, ret = compute_gae_advantages(T([[0.0, 1.0]]), T([[0.5, 0.8]]), torch.ones(1, 2),
-                                      whiten=False)
+    adv, ret = compute_gae_advantages(T([[0.0, 1.0]]), T([[0.5, 0.8]]), torch.ones(1, 2), whiten=False)
     torch.testing.assert_close(adv, T([[0.5, 0.2]]))
     torch.testing.assert_close(ret, T([[1.0, 1.0]]))
 
@@ -53,8 +53,7 @@ def gae_vectorized(rewards, values, mask, gamma, lam):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), gamma=st.sampled_from([1.0, 0.99, 0.5]),
-       lam=st.sampled_from([1.0, 0.95, 0.0]))
+@given(seed=st.integers(0, 10_000), gamma=st.sampled_from([1.0, 0.99, 0.5]), lam=st.sampled_from([1.0, 0.95, 0.0]))
 def test_gae_loop_matches_vectorized_with_holes(seed, gamma, lam):
     g = torch.Generator().manual_seed(seed)
     n, length = 4, 7
@@ -85,8 +84,7 @@ def test_gae_invariant_to_masked_values_and_rewards(whiten):
 def test_gae_whitened_has_zero_mean_unit_std_over_counted():
     g = torch.Generator().manual_seed(2)
     mask = (torch.rand(8, 6, generator=g) > 0.2).float()
-    adv, _ = compute_gae_advantages(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g),
-                                    mask, 1.0, 0.95)
+    adv, _ = compute_gae_advantages(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g), mask, 1.0, 0.95)
     counted = adv[mask > 0]
     assert abs(float(counted.mean())) < 1e-5
     assert abs(float(counted.std()) - 1.0) < 1e-4

@@ -1,4 +1,5 @@
 """KL estimators, KL-in-reward, KL controllers."""
+
 from __future__ import annotations
 
 import math
@@ -15,16 +16,21 @@ LN2 = math.log(2)
 # log r = +ln 2:  k1 = 0.693147, abs = 0.693147, k2 = 0.5 * 0.480453 = 0.240227,
 #                 k3 = e^-ln2 - 1 + ln2 = 0.5 - 1 + 0.693147 = 0.193147.
 # log r = -ln 2:  k1 = -0.693147, abs = 0.693147, k2 = 0.240227, k3 = 2 - 1 - 0.693147 = 0.306853.
-KL_GOLDEN = {"k1": (LN2, -LN2), "kl": (LN2, -LN2), "abs": (LN2, LN2),
-             "k2": (0.240227, 0.240227), "mse": (0.240227, 0.240227),
-             "k3": (0.193147, 0.306853), "low_var_kl": (0.193147, 0.306853)}
+KL_GOLDEN = {
+    "k1": (LN2, -LN2),
+    "kl": (LN2, -LN2),
+    "abs": (LN2, LN2),
+    "k2": (0.240227, 0.240227),
+    "mse": (0.240227, 0.240227),
+    "k3": (0.193147, 0.306853),
+    "low_var_kl": (0.193147, 0.306853),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(KL_GOLDEN))
 def test_kl_estimators_at_log_ratio_ln2(kind):
     logprobs, ref = T([[0.0, -LN2]]), T([[-LN2, 0.0]])  # log r = [+ln2, -ln2]
-    torch.testing.assert_close(compute_kl_penalty(logprobs, ref, kind), T([KL_GOLDEN[kind]]),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(compute_kl_penalty(logprobs, ref, kind), T([KL_GOLDEN[kind]]), atol=1e-6, rtol=0)
 
 
 def test_k3_is_clamped_to_10():

@@ -1,4 +1,5 @@
 """Policy losses: aggregation numbers, PPO clip / dual-clip bounds and grads, GSPO, masking."""
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ E = math.e
 #   seq-mean-token-sum      ((1+2) + 4)/2        = 3.5
 #   seq-mean-token-mean     ((1+2)/2 + 4/1)/2    = 2.75
 #   seq-mean-token-sum-norm (3 + 4)/(N=2 * L=3)  = 7/6; with norm_length 7: 7/14 = 0.5
-AGG_GOLDEN = {"token-mean": 7 / 3, "seq-mean-token-sum": 3.5, "seq-mean-token-mean": 2.75,
-              "seq-mean-token-sum-norm": 7 / 6}
+AGG_GOLDEN = {
+    "token-mean": 7 / 3,
+    "seq-mean-token-sum": 3.5,
+    "seq-mean-token-mean": 2.75,
+    "seq-mean-token-sum-norm": 7 / 6,
+}
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -85,8 +90,7 @@ def test_clip_higher_bounds():
     # -1.2214 (with the symmetric 0.2 it would clip at 1.2); ratio e^0.25 = 1.2840 -> -1.28, grad 0.
     for lr, loss_e, grad_e in [(0.2, -math.exp(0.2), -math.exp(0.2)), (0.25, -1.28, 0.0)]:
         logprobs = T([[lr]], requires_grad=True)
-        loss, _ = compute_policy_loss(torch.zeros(1, 1), logprobs, T([[1.0]]), torch.ones(1, 1),
-                                      clip_ratio_high=0.28)
+        loss, _ = compute_policy_loss(torch.zeros(1, 1), logprobs, T([[1.0]]), torch.ones(1, 1), clip_ratio_high=0.28)
         loss.backward()
         assert float(loss.detach()) == pytest.approx(loss_e, rel=1e-5)
         assert float(logprobs.grad) == pytest.approx(grad_e, abs=1e-6, rel=1e-5)
@@ -94,16 +98,16 @@ def test_clip_higher_bounds():
 
 def test_ppo_rejects_bad_clip_ratio_c():
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        compute_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                            torch.ones(1, 1), clip_ratio_c=1.0)
+        compute_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_ratio_c=1.0)
 
 
 def test_gspo_golden_clipped():
     # log-ratios [0.2, 0.4] -> sequence log-ratio 0.3, s = e^0.3 = 1.349859; A = +1, bounds 0.2:
     # clipped at 1.2 on both tokens -> loss -1.2 (seq-mean-token-mean), grad 0.
     logprobs = T([[0.2, 0.4]], requires_grad=True)
-    loss, m = compute_policy_loss_gspo(torch.zeros(1, 2), logprobs, torch.ones(1, 2),
-                                       torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss, m = compute_policy_loss_gspo(
+        torch.zeros(1, 2), logprobs, torch.ones(1, 2), torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-1.2)
     assert torch.equal(logprobs.grad, torch.zeros(1, 2))
@@ -115,8 +119,9 @@ def test_gspo_unclipped_matches_sequence_objective():
     # = 1.349859 / 2 = 0.674929, the gradient of GSPO's sequence loss -A * s(theta).
     s = math.exp(0.3)
     logprobs = T([[0.2, 0.4]], requires_grad=True)
-    loss, _ = compute_policy_loss_gspo(torch.zeros(1, 2), logprobs, -torch.ones(1, 2),
-                                       torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss, _ = compute_policy_loss_gspo(
+        torch.zeros(1, 2), logprobs, -torch.ones(1, 2), torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(s, rel=1e-6)
     torch.testing.assert_close(logprobs.grad, T([[s / 2, s / 2]]))
@@ -141,11 +146,12 @@ def test_masked_tokens_change_nothing(loss_name, mode):
     old, new, adv, mask = _random_inputs(0)
     off = mask == 0
     results = []
-    for o, n, a in [(old, new, adv), (old.masked_fill(off, -9.0), new.masked_fill(off, 3.0),
-                                      adv.masked_fill(off, 50.0))]:
+    for o, n, a in [
+        (old, new, adv),
+        (old.masked_fill(off, -9.0), new.masked_fill(off, 3.0), adv.masked_fill(off, 50.0)),
+    ]:
         logprobs = n.clone().requires_grad_(True)
-        loss, _ = fn(o, logprobs, a, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
-                     loss_agg_mode=mode)
+        loss, _ = fn(o, logprobs, a, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode=mode)
         loss.backward()
         results.append((loss.detach(), logprobs.grad))
     torch.testing.assert_close(results[0][0], results[1][0])
@@ -171,5 +177,6 @@ def test_entropy_and_gather_uniform():
     # uniform over V = 4: entropy ln 4 = 1.386294, every token's log-prob -ln 4.
     logits = torch.zeros(2, 3, 4)
     torch.testing.assert_close(entropy_from_logits(logits), torch.full((2, 3), math.log(4)))
-    torch.testing.assert_close(gather_logprobs(logits, torch.zeros(2, 3, dtype=torch.long)),
-                               torch.full((2, 3), -math.log(4)))
+    torch.testing.assert_close(
+        gather_logprobs(logits, torch.zeros(2, 3, dtype=torch.long)), torch.full((2, 3), -math.log(4))
+    )

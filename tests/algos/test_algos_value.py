@@ -1,4 +1,5 @@
 """Clipped value loss: hand-derived numbers, gradients, masking."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,7 @@ def test_value_loss_masked_tokens_change_nothing():
     mask = T([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
     off = mask == 0
     out = []
-    for vp, rt, ov in [(v, r, o), (v.masked_fill(off, 9.0), r.masked_fill(off, -9.0),
-                                   o.masked_fill(off, 4.0))]:
+    for vp, rt, ov in [(v, r, o), (v.masked_fill(off, 9.0), r.masked_fill(off, -9.0), o.masked_fill(off, 4.0))]:
         vpreds = vp.clone().requires_grad_(True)
         loss, _ = compute_value_loss(vpreds, rt, ov, mask, 0.2, "seq-mean-token-mean")
         loss.backward()

@@ -3,6 +3,7 @@ local Ray, Delta, MLflow sqlite, the gloo worker group), shrunk to CI size, and 
 took effect: KL loss with a reference table (grpo), unscaled advantages (dr_grpo), leave-one-out (rloo),
 KL in the reward with the adaptive controller (reinforce_pp), dynamic sampling + overlong shaping (dapo),
 greedy baselines stored beside the samples and subtracted from their returns (remax)."""
+
 from __future__ import annotations
 
 import os
@@ -15,13 +16,28 @@ from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-CI_SIZE = ["data.synthetic.num_train=200", "data.synthetic.num_val=16", "data.synthetic.max_operand=19",
-           "data.train_batch_size=8", "data.val_batch_size=16", "model.tiny.hidden_size=64",
-           "model.tiny.intermediate_size=128", "model.tiny.warmstart_steps=150", "model.tiny.warmstart_batch_size=32",
-           "model.tiny.warmstart_target_loss=null",
-           "rollout.name=hf", "rollout.n=4", "rollout.micro_batch_size=64", "actor.ppo_mini_batch_size=4",
-           "actor.ppo_micro_batch_size=8", "actor.ppo_epochs=1", "actor.optim.lr=0.001", "reward.format_score=0.1",
-           "trainer.test_freq=0", "ray.num_cpus=2"]
+CI_SIZE = [
+    "data.synthetic.num_train=200",
+    "data.synthetic.num_val=16",
+    "data.synthetic.max_operand=19",
+    "data.train_batch_size=8",
+    "data.val_batch_size=16",
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=128",
+    "model.tiny.warmstart_steps=150",
+    "model.tiny.warmstart_batch_size=32",
+    "model.tiny.warmstart_target_loss=null",
+    "rollout.name=hf",
+    "rollout.n=4",
+    "rollout.micro_batch_size=64",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size=8",
+    "actor.ppo_epochs=1",
+    "actor.optim.lr=0.001",
+    "reward.format_score=0.1",
+    "trainer.test_freq=0",
+    "ray.num_cpus=2",
+]
 """configs/ci_tiny.yaml's sizes, applied to each algorithm YAML (which is based on tiny_cpu.yaml)."""
 
 
@@ -50,8 +66,12 @@ def run_algorithm(tmp_path_factory, ray_session):
             out = tmp_path_factory.mktemp(name)
             os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
             try:
-                run_training(f"configs/{name}.yaml", [*CI_SIZE, f"trainer.total_training_steps={steps}",
-                                                      f"trainer.output_dir={out}", *extra], run_id=f"e2e-{name}", log=lambda s: None)
+                run_training(
+                    f"configs/{name}.yaml",
+                    [*CI_SIZE, f"trainer.total_training_steps={steps}", f"trainer.output_dir={out}", *extra],
+                    run_id=f"e2e-{name}",
+                    log=lambda s: None,
+                )
             finally:
                 os.environ.pop("DAGSTER_HOME", None)
             done[name] = Run(out, f"e2e-{name}")
@@ -64,11 +84,17 @@ def test_grpo_kl_loss_uses_the_reference_table(run_algorithm) -> None:
     r = run_algorithm("grpo", 1)
     rollouts, ref, adv = r.table("rollouts", 0), r.table("ref_logprobs", 0), r.table("advantages", 0)
     assert ref["rollout_id"].tolist() == sorted(rollouts["rollout_id"]) and set(ref["ref_policy_version"]) == {0}
-    assert (ref["ref_logprobs"].map(len).to_numpy() == rollouts.sort_values("rollout_id")["response_length"].to_numpy()).all()
+    assert (
+        ref["ref_logprobs"].map(len).to_numpy() == rollouts.sort_values("rollout_id")["response_length"].to_numpy()
+    ).all()
     # iteration 0 samples from the reference policy itself: its log-probs are the engine's, up to the HF
     # engine's pad suppression (it renormalizes without the pad token, so its log-probs are >= the model's)
-    diff = np.concatenate([np.asarray(a) - np.asarray(b) for a, b in
-                           zip(rollouts.sort_values("rollout_id")["rollout_logprobs"], ref["ref_logprobs"])])
+    diff = np.concatenate(
+        [
+            np.asarray(a) - np.asarray(b)
+            for a, b in zip(rollouts.sort_values("rollout_id")["rollout_logprobs"], ref["ref_logprobs"])
+        ]
+    )
     assert diff.min() > -1e-4 and np.abs(diff).mean() < 1e-3 and np.abs(diff).max() < 2e-2, (diff.min(), diff.max())
     assert all(len(a) == n for a, n in zip(adv["ref_logprobs"], adv["response_token_ids"].map(len)))
     (commit,) = store.commit_lineage(str(r.out / "tables" / "advantages"), run_id=r.run_id, iteration=0)
@@ -117,7 +143,9 @@ def test_dapo_dynamic_sampling_and_overlong_shaping(run_algorithm) -> None:
     # reaches ordinary 8-token answers, so the shaping is visible
     r = run_algorithm("dapo", 1, ("data.gen_batch_size=8", "reward.overlong_buffer.len=5"))
     batch, scored, adv = r.table("prompt_batches", 0), r.table("scored_rollouts", 0), r.table("advantages", 0)
-    assert sorted(batch["gen_round"].unique()) == [0, 1, 2, 3] and len(batch) == 32  # max_num_gen_batches=4 candidate rounds
+    assert (
+        sorted(batch["gen_round"].unique()) == [0, 1, 2, 3] and len(batch) == 32
+    )  # max_num_gen_batches=4 candidate rounds
     assert adv["group_id"].nunique() == 8 and len(adv) == 32  # the batch was refilled to train_batch_size
     acc = (scored.set_index("rollout_id").loc[adv["rollout_id"], "score"] >= 1.0).astype(float).to_numpy()
     assert (adv.assign(acc=acc).groupby("group_id")["acc"].nunique() == 2).all()  # kept groups have spread
@@ -131,7 +159,9 @@ def test_dapo_dynamic_sampling_and_overlong_shaping(run_algorithm) -> None:
     np.testing.assert_allclose(scored["reward"], scored["score"] + scored["overlong_penalty"], atol=1e-9)
     assert (scored.loc[scored["response_length"] >= 12, "overlong_penalty"] == -1.0).all()  # truncated: full penalty
     assert r.metrics("train/num_gen_batches") == [float(len(rounds))]
-    assert r.metrics("train/num_groups_kept") == [8.0] and r.metrics("train/num_groups_generated") == [8.0 * len(rounds)]
+    assert r.metrics("train/num_groups_kept") == [8.0] and r.metrics("train/num_groups_generated") == [
+        8.0 * len(rounds)
+    ]
     assert r.metrics("reward/overlong_penalized_frac")[0] > 0
 
 
@@ -147,7 +177,9 @@ def test_remax_greedy_baselines_stored_and_subtracted(run_algorithm) -> None:
         assert not set(adv["rollout_id"]) & set(base["rollout_id"]) and len(adv) == 32  # never trained on
         b = scored[scored["is_baseline"]].set_index("group_id")["reward"]
         kl_sum = adv["kl_coef"] * adv["reward_kl"] * adv["response_token_ids"].map(len)  # beta * sum_t KL_t
-        np.testing.assert_allclose(adv["advantage"], adv["reward"] - kl_sum - b.loc[adv["group_id"]].to_numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            adv["advantage"], adv["reward"] - kl_sum - b.loc[adv["group_id"]].to_numpy(), atol=1e-5
+        )
         for tokens, returns, g in zip(adv["token_advantages"], adv["returns"], adv["group_id"]):
             np.testing.assert_allclose(np.asarray(tokens), np.asarray(returns) - b[g], atol=1e-6)  # return-to-go - b
         assert set(adv["adv_estimator"]) == {"remax"}

@@ -1,4 +1,5 @@
 """Two GRPO iterations of the real pipeline (Dagster in-process, local Ray, Delta, MLflow sqlite, gloo worker group)."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -8,8 +9,8 @@ from deltalake import DeltaTable
 from mlflow.tracking import MlflowClient
 
 from stages.io import store
-from stages.models.policy import load_policy
 from stages.io.tables import SCHEMAS
+from stages.models.policy import load_policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 TABLES = ("prompts", "prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics")
@@ -45,7 +46,9 @@ def test_every_table_has_schema_rows_and_lineage(trained) -> None:
         rollouts = store.read_partition(str(out / "tables" / "rollouts"), "e2e-run", it)
         assert len(rollouts) == 8 * 4 and set(rollouts["policy_version"]) == {it}
         (c,) = store.commit_lineage(str(out / "tables" / "advantages"), run_id="e2e-run", iteration=it)
-        scored_version = store.commit_lineage(str(out / "tables" / "scored_rollouts"), run_id="e2e-run", iteration=it)[0]["version"]
+        scored_version = store.commit_lineage(str(out / "tables" / "scored_rollouts"), run_id="e2e-run", iteration=it)[
+            0
+        ]["version"]
         assert c["upstream"] == {"scored_rollouts": scored_version} and c["policy_version"] == str(it)
 
 
@@ -72,12 +75,24 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     exp = client.get_experiment_by_name("rlake-ci")
     (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`rlake.run_id` = 'e2e-run'")
     assert run.data.params["rollout.n"] == "4" and run.data.params["algorithm.adv_estimator"] == "grpo"
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-                "response_length/mean", "timing_s/rollouts", "timing_s/update", "timing_s/step", "val-core/rlake/arith/reward/mean_at_1"):
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/rollouts",
+        "timing_s/update",
+        "timing_s/step",
+        "val-core/rlake/arith/reward/mean_at_1",
+    ):
         assert key in run.data.metrics, key
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")]
     assert steps == [1, 2]
-    assert all(torch.isfinite(torch.tensor(m.value)) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss"))
+    assert all(
+        torch.isfinite(torch.tensor(m.value)) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")
+    )
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert len(summary["iterations"]) == 2
 
@@ -99,18 +114,27 @@ def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert "validation_curve.png" in artifacts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "samples")} == {
-        f"samples/val_step_{v}.json" for v in (0, 1, 2)}  # test_freq 1: v0 and after each iteration
-    samples = pd.read_json(client.download_artifacts(run.info.run_id, "samples/val_step_2.json", str(out / "dl")),
-                           orient="split", dtype=False)
-    assert set(samples["policy_version"]) == {2} and {"prompt_text", "response_text", "ground_truth", "reward"} <= set(samples)
+        f"samples/val_step_{v}.json" for v in (0, 1, 2)
+    }  # test_freq 1: v0 and after each iteration
+    samples = pd.read_json(
+        client.download_artifacts(run.info.run_id, "samples/val_step_2.json", str(out / "dl")),
+        orient="split",
+        dtype=False,
+    )
+    assert set(samples["policy_version"]) == {2} and {"prompt_text", "response_text", "ground_truth", "reward"} <= set(
+        samples
+    )
 
 
 def test_sql_over_the_run_tables(trained) -> None:
     from stages.io.sql import query
 
     out, _ = trained
-    df = query(out / "tables", "SELECT iteration, count(*) AS n, avg(reward) AS r FROM scored_rollouts "
-                               "WHERE run_id = 'e2e-run' GROUP BY iteration ORDER BY iteration")
+    df = query(
+        out / "tables",
+        "SELECT iteration, count(*) AS n, avg(reward) AS r FROM scored_rollouts "
+        "WHERE run_id = 'e2e-run' GROUP BY iteration ORDER BY iteration",
+    )
     assert df["iteration"].tolist() == [0, 1] and df["n"].tolist() == [32, 32]
     v0 = query(out / "tables", "SELECT count(*) AS n FROM rollouts", versions={"rollouts": 0})
     assert v0["n"].iloc[0] == 32  # time travel: version 0 holds iteration 0 only

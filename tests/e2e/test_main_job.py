@@ -2,9 +2,10 @@
 
 Not its numbers (those are scripts/main_job.py's output in the README), but their shape: the warm
 start has learned the task (it used to sit on a loss plateau and land anywhere between 0.04 and 0.83
-greedy depending on the seed and float rounding: docs/reproducibility.md), every validated version has held-out rewards, every iteration
-has a training reward, and the README table builds from the run's own tables.
+greedy depending on the seed and float rounding: docs/reproducibility.md), every validated version has
+held-out rewards, every iteration has a training reward, and the README table builds from the run's own tables.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,9 +30,13 @@ def test_short_main_job_has_a_learned_warm_start_and_the_readme_table(tmp_path, 
 
     os.environ["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
     try:
-        summary = run_training("configs/tiny_cpu.yaml", [f"trainer.output_dir={tmp_path}", "trainer.test_freq=1",
-                                                         "data.val_batch_size=64"],
-                               run_id="main-short", steps=2, log=lambda s: None)
+        summary = run_training(
+            "configs/tiny_cpu.yaml",
+            [f"trainer.output_dir={tmp_path}", "trainer.test_freq=1", "data.val_batch_size=64"],
+            run_id="main-short",
+            steps=2,
+            log=lambda s: None,
+        )
     finally:
         os.environ.pop("DAGSTER_HOME", None)
     assert summary["setup"]["warmstart_last_loss"] < 0.1, summary["setup"]  # past the plateau (~0.3)

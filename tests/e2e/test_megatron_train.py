@@ -1,4 +1,5 @@
 """`rlake train` end to end with actor.strategy=megatron (TP=2 over gloo, on the persistent gloo worker group)."""
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,17 @@ def test_one_iteration_with_megatron_tp2(tmp_path, ray_session) -> None:
 
     os.environ["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
     try:
-        summary = run_training("configs/ci_tiny.yaml", [f"trainer.output_dir={tmp_path}", "actor.strategy=megatron",
-                                                        "actor.megatron.tensor_model_parallel_size=2"],
-                               run_id="mega", steps=1, log=lambda s: None)
+        summary = run_training(
+            "configs/ci_tiny.yaml",
+            [
+                f"trainer.output_dir={tmp_path}",
+                "actor.strategy=megatron",
+                "actor.megatron.tensor_model_parallel_size=2",
+            ],
+            run_id="mega",
+            steps=1,
+            log=lambda s: None,
+        )
     finally:
         os.environ.pop("DAGSTER_HOME", None)
     assert len(summary["iterations"]) == 1

@@ -1,5 +1,6 @@
 """PPO with a critic (configs/ppo.yaml, ci_tiny-sized): two iterations of the real pipeline
 (Dagster in-process, local Ray, Delta, MLflow sqlite): values table, GAE, critic versions, metrics."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from configs.schema import load_config
 from mlflow.tracking import MlflowClient
 
+from configs.schema import load_config
 from stages.io import store
 from stages.train.critic import load_critic
 
@@ -23,14 +24,19 @@ RUN = "ppo-e2e"
 def ci_sized_overrides() -> list[str]:
     """Every setting of ci_tiny.yaml except the algorithm and critic sections and the run names, as
     key.sub=value overrides of ppo.yaml: ppo.yaml's PPO/GAE choices at CI size."""
+
     def flat(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
         out = []
         for k, v in tree.items():
             out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
         return out
+
     resolved = load_config(ROOT / "configs" / "ci_tiny.yaml").model_dump(mode="json")  # ci_tiny is an overlay
-    keep = [(k, v) for k, v in flat(resolved)
-            if not k.startswith(("algorithm.", "critic.", "trainer.experiment_name", "trainer.project_name"))]
+    keep = [
+        (k, v)
+        for k, v in flat(resolved)
+        if not k.startswith(("algorithm.", "critic.", "trainer.experiment_name", "trainer.project_name"))
+    ]
     return [f"{k}={json.dumps(v)}" for k, v in keep]
 
 
@@ -94,8 +100,16 @@ def test_critic_metrics_reach_mlflow_and_the_metrics_table(trained) -> None:
     assert run.data.params["algorithm.adv_estimator"] == "gae"
     history = client.get_metric_history(run.info.run_id, "critic/vf_loss")
     assert [m.step for m in history] == [1, 2] and all(math.isfinite(m.value) and m.value > 0 for m in history)
-    for key in ("critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/values/mean",
-                "critic/returns/mean", "critic/advantages/mean", "critic/vf_explained_var", "actor/pg_loss"):
+    for key in (
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "critic/advantages/mean",
+        "critic/vf_explained_var",
+        "actor/pg_loss",
+    ):
         assert key in run.data.metrics, key
     assert 0.0 <= run.data.metrics["critic/vf_clipfrac"] <= 1.0
     rows = store.read_partition(str(out / "tables" / "iteration_metrics"), RUN, 1)

@@ -1,5 +1,6 @@
 """`rlake replay`: a stored iteration's policy update re-run from its tables reproduces the logged metrics
 and the stored next checkpoint (measured: bitwise on CPU), and says so, or why not, otherwise."""
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,34 @@ def trained(tmp_path_factory, ray_session):
 
 
 def _replay(out, *extra: str) -> list[str]:
-    return ["replay", "--config", CONFIG, "--run-id", RUN, "--iteration", "1", "--scratch", str(out / "scratch"),
-            f"trainer.output_dir={out}", "trainer.save_freq=1", *extra]
+    return [
+        "replay",
+        "--config",
+        CONFIG,
+        "--run-id",
+        RUN,
+        "--iteration",
+        "1",
+        "--scratch",
+        str(out / "scratch"),
+        f"trainer.output_dir={out}",
+        "trainer.save_freq=1",
+        *extra,
+    ]
 
 
 def test_replay_reproduces_logged_update_metrics_and_weights(trained, capsys) -> None:
     out = trained
     # a newer advantages version written outside the run must not be what the replay reads
     adv = store.read_partition(str(out / "tables" / "advantages"), RUN, 1)
-    store.write_partition(str(out / "tables" / "advantages"), "advantages", adv.assign(advantage=adv["advantage"] * -3),
-                          run_id=RUN, iteration=1, lineage={"stage": "outside"})
+    store.write_partition(
+        str(out / "tables" / "advantages"),
+        "advantages",
+        adv.assign(advantage=adv["advantage"] * -3),
+        run_id=RUN,
+        iteration=1,
+        lineage={"stage": "outside"},
+    )
     assert main(_replay(out)) == 0
     table = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith("actor/")}
@@ -72,8 +91,14 @@ def test_replay_exits_nonzero_when_logged_metrics_differ(trained, capsys) -> Non
     commit = store.commit_lineage(uri, run_id=RUN, iteration=1)[0]
     rows = store.read_partition(uri, RUN, 1)
     rows.loc[rows["metric"] == "actor/pg_loss", "value"] += 1.0
-    store.write_partition(uri, "iteration_metrics", rows.drop(columns=["run_id", "iteration"]), run_id=RUN, iteration=1,
-                          lineage={k: commit[k] for k in ("stage", "policy_version", "config_hash", "upstream")})
+    store.write_partition(
+        uri,
+        "iteration_metrics",
+        rows.drop(columns=["run_id", "iteration"]),
+        run_id=RUN,
+        iteration=1,
+        lineage={k: commit[k] for k in ("stage", "policy_version", "config_hash", "upstream")},
+    )
     assert main(_replay(out)) == 1
     table = capsys.readouterr().out
     assert "NOT reproduced" in table

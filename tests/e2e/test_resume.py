@@ -6,6 +6,7 @@ mid-generation of iteration 0, mid-update of iteration 0, and while (or right af
 iteration 1 writes checkpoint policy_v2. Each kill takes the whole process group of the run (the
 driver, its Ray head, raylet and workers) plus every descendant seen just before the kill.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,15 @@ EXECUTION_METRICS = ("actor/weights_loaded_from_disk",)
 
 def _launch(out: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}  # the run's own output_dir/dagster_home
-    log = open(out.parent / f"{out.name}.log", "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(CMD + [f"trainer.output_dir={out}"], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(out.parent / f"{out.name}.log", "ab")
+    return subprocess.Popen(
+        CMD + [f"trainer.output_dir={out}"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _session_procs(sid: int) -> list[psutil.Process]:
@@ -111,15 +118,19 @@ def reference(tmp_path_factory) -> Path:
 def killed_and_resumed(tmp_path_factory) -> tuple[Path, list[str]]:
     out = tmp_path_factory.mktemp("resume") / "killed"
     ckpts = out / "checkpoints" / RUN
+
     def part_dir(table: str, it: int) -> Callable[[], bool]:  # a stat per poll: the data file is being written
         return (out / "tables" / table / f"run_id={RUN}" / f"iteration={it}").is_dir
 
     points = [
         ("mid-generation of iteration 0", part_dir("prompt_batches", 0), 0.0, lambda: not _has(out, "rollouts", 0)),
-        ("mid-update of iteration 0", part_dir("advantages", 0), 0.3,
-         lambda: not _has(out, "iteration_metrics", 0)),
-        ("checkpoint policy_v2 being written", lambda: (ckpts / "policy_v2.tmp").exists() or (ckpts / "policy_v2").exists(),
-         0.0, lambda: not _has(out, "iteration_metrics", 1)),
+        ("mid-update of iteration 0", part_dir("advantages", 0), 0.3, lambda: not _has(out, "iteration_metrics", 0)),
+        (
+            "checkpoint policy_v2 being written",
+            lambda: (ckpts / "policy_v2.tmp").exists() or (ckpts / "policy_v2").exists(),
+            0.0,
+            lambda: not _has(out, "iteration_metrics", 1),
+        ),
     ]
     hit = []
     for what, cond, delay, still_mid in points:
@@ -151,18 +162,31 @@ def test_resumed_run_has_the_same_rows_order_and_values(reference, killed_and_re
         assert len(b) == 32 and b["rollout_id"].is_unique  # 8 prompts x 4 samples, no duplicates
         assert [list(x) for x in a["response_token_ids"]] == [list(x) for x in b["response_token_ids"]]
         assert a[["prompt_id", "sample_index"]].equals(b[["prompt_id", "sample_index"]])
-        np.testing.assert_allclose(np.concatenate(a["rollout_logprobs"]), np.concatenate(b["rollout_logprobs"]), atol=1e-5)
-        a, b = _frame(reference, "scored_rollouts", it, ["rollout_id"]), _frame(out, "scored_rollouts", it, ["rollout_id"])
+        np.testing.assert_allclose(
+            np.concatenate(a["rollout_logprobs"]), np.concatenate(b["rollout_logprobs"]), atol=1e-5
+        )
+        a, b = (
+            _frame(reference, "scored_rollouts", it, ["rollout_id"]),
+            _frame(out, "scored_rollouts", it, ["rollout_id"]),
+        )
         assert a["reward"].tolist() == b["reward"].tolist()
         a, b = _frame(reference, "advantages", it, ["rollout_id"]), _frame(out, "advantages", it, ["rollout_id"])
         assert len(b) == 32
         np.testing.assert_allclose(a["advantage"], b["advantage"], atol=1e-6)
         a, b = _frame(reference, "iteration_metrics", it, ["metric"]), _frame(out, "iteration_metrics", it, ["metric"])
         assert a["metric"].tolist() == b["metric"].tolist() and b["metric"].is_unique
-        keep = ~a["metric"].isin(EXECUTION_METRICS) & ~a["metric"].str.startswith(("timing_s/", "perf/")) \
+        keep = (
+            ~a["metric"].isin(EXECUTION_METRICS)
+            & ~a["metric"].str.startswith(("timing_s/", "perf/"))
             & ~a["metric"].str.contains("per_s|_s$", regex=True)
-        np.testing.assert_allclose(a.loc[keep, "value"], b.loc[keep, "value"], rtol=METRIC_RTOL, atol=1e-7,
-                                   err_msg=str(list(a.loc[keep, "metric"])))
+        )
+        np.testing.assert_allclose(
+            a.loc[keep, "value"],
+            b.loc[keep, "value"],
+            rtol=METRIC_RTOL,
+            atol=1e-7,
+            err_msg=str(list(a.loc[keep, "metric"])),
+        )
 
 
 def test_resumed_run_ends_with_the_same_weights_and_no_partial_checkpoints(reference, killed_and_resumed) -> None:
@@ -191,9 +215,11 @@ def test_dagster_runs_of_killed_processes_are_marked_failed(killed_and_resumed) 
 def _kill_writer_mid_write(uri: Path, tmp_path: Path) -> tuple[int, int]:
     """Start a process writing a 3M-row partition; SIGKILL it as soon as its data file appears
     (staged as `<name>.parquet#N`, renamed, then committed). Returns (table version, rows of R/0)."""
-    writer = ("import pandas as pd; from stages.io import store; n = 3_000_000\n"
-              "df = pd.DataFrame({'policy_version': 1, 'metric': [f'x{i}' for i in range(n)], 'value': 2.0})\n"
-              f"store.write_partition({str(uri)!r}, 'iteration_metrics', df, run_id='R', iteration=0, lineage={{}})\n")
+    writer = (
+        "import pandas as pd; from stages.io import store; n = 3_000_000\n"
+        "df = pd.DataFrame({'policy_version': 1, 'metric': [f'x{i}' for i in range(n)], 'value': 2.0})\n"
+        f"store.write_partition({str(uri)!r}, 'iteration_metrics', df, run_id='R', iteration=0, lineage={{}})\n"
+    )
     part = uri / f"run_id={RUN}" / "iteration=0"
     before = set(os.listdir(part))
     proc = subprocess.Popen([sys.executable, "-c", writer], cwd=ROOT, start_new_session=True)
@@ -223,6 +249,7 @@ def test_delta_writer_killed_mid_write_leaves_the_table_readable(tmp_path) -> No
     orphans = [p for p in (uri / f"run_id={RUN}" / "iteration=0").iterdir()]
     assert len(orphans) >= 2  # the committed file and the killed write's file
     assert len(store.read_partition(str(uri), RUN, 0)) == old_rows
-    store.write_partition(str(uri), "iteration_metrics", small.assign(value=3.0), run_id=RUN, iteration=0,
-                          lineage={"stage": "t"})
+    store.write_partition(
+        str(uri), "iteration_metrics", small.assign(value=3.0), run_id=RUN, iteration=0, lineage={"stage": "t"}
+    )
     assert store.read_partition(str(uri), RUN, 0)["value"].tolist() == [3.0] * 5

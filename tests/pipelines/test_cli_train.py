@@ -1,4 +1,5 @@
 """`rlake train` as a user sees it: a live display on a terminal, framework noise in a log file."""
+
 from __future__ import annotations
 
 import io
@@ -18,8 +19,15 @@ from pipelines.progress import RunProgress
 from pipelines.runner import TELEMETRY_OFF, dagster_home
 
 ROOT = Path(__file__).resolve().parents[2]
-NOISE = ("Telemetry", "Welcome to Dagster", "RayDeprecationWarning", "Token authentication", " INFO ",
-         "streaming_executor", "Warning:")
+NOISE = (
+    "Telemetry",
+    "Welcome to Dagster",
+    "RayDeprecationWarning",
+    "Token authentication",
+    " INFO ",
+    "streaming_executor",
+    "Warning:",
+)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
 
@@ -29,8 +37,9 @@ def _run_in_terminal(cmd: list[str], env: dict, timeout: float = 600) -> tuple[i
     Reads with select so neither a silent child nor a grandchild that keeps the terminal open after
     the child exited (a Ray worker) can block the test; the child is killed after `timeout`."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT, env=env, start_new_session=True
+    )
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     try:
@@ -56,8 +65,20 @@ def _run_in_terminal(cmd: list[str], env: dict, timeout: float = 600) -> tuple[i
 @pytest.mark.slow
 def test_train_on_a_terminal_shows_progress_and_keeps_noise_in_the_log(tmp_path: Path) -> None:
     env = {**os.environ, "COLUMNS": "200", "DAGSTER_HOME": str(tmp_path / "dagster_home")}
-    code, out = _run_in_terminal([sys.executable, "-m", "pipelines.cli", "train", "--config", "configs/ci_tiny.yaml",
-                                  f"trainer.output_dir={tmp_path}", "--run-id", "tty"], env)
+    code, out = _run_in_terminal(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            "--config",
+            "configs/ci_tiny.yaml",
+            f"trainer.output_dir={tmp_path}",
+            "--run-id",
+            "tty",
+        ],
+        env,
+    )
     text = ANSI.sub("\n", out)
     assert code == 0, text[-3000:]
     assert "iteration 0:" in text and "iteration 1:" in text and "done: 2 iterations" in text
@@ -79,8 +100,11 @@ def test_plain_progress_prints_phases_and_iteration_lines() -> None:
         progress.start_iterations(0, 3)
         progress.iteration_done(0, 4.0, "critic/score/mean=0.5")
         progress.iteration_done(1, 2.0, "critic/score/mean=0.6")
-    assert lines == ["  preflight: data and model inputs", "iteration 0: 4.0s  critic/score/mean=0.5",
-                     "iteration 1: 2.0s  critic/score/mean=0.6"]
+    assert lines == [
+        "  preflight: data and model inputs",
+        "iteration 0: 4.0s  critic/score/mean=0.5",
+        "iteration 1: 2.0s  critic/score/mean=0.6",
+    ]
     assert progress.eta() == "ETA 0:03"  # one left x mean(4, 2) s
 
 

@@ -3,6 +3,7 @@ new scored_rollouts version only; the ppo_kl_within_limit check blocks an update
 
 One real 2-iteration ci_tiny run (Dagster in-process, local Ray, Delta, MLflow sqlite), then single-asset
 re-materializations of partition 0 with dg.materialize on the same Dagster instance."""
+
 from __future__ import annotations
 
 import os
@@ -31,14 +32,22 @@ def run(tmp_path_factory, ray_session):
     os.environ.pop("DAGSTER_HOME", None)
 
 
-def _materialize(out, instance, asset: str | list[str], overrides: list[str], *, run_id: str = RUN, raise_on_error: bool = True):
+def _materialize(
+    out, instance, asset: str | list[str], overrides: list[str], *, run_id: str = RUN, raise_on_error: bool = True
+):
     from pipelines.definitions import ASSETS
     from pipelines.resources import build_resources
 
     cfg = load_config(CONFIG, [f"trainer.output_dir={out}", f"trainer.run_id={run_id}", *overrides])
     resources = build_resources(cfg)
-    return dg.materialize(ASSETS, selection=[asset] if isinstance(asset, str) else asset, partition_key="0", instance=instance, resources=resources,
-                          raise_on_error=raise_on_error)
+    return dg.materialize(
+        ASSETS,
+        selection=[asset] if isinstance(asset, str) else asset,
+        partition_key="0",
+        instance=instance,
+        resources=resources,
+        raise_on_error=raise_on_error,
+    )
 
 
 def _uri(out, table: str) -> str:
@@ -54,8 +63,14 @@ def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -
     old1 = store.read_partition(_uri(out, "scored_rollouts"), RUN, 1).sort_values("rollout_id").reset_index(drop=True)
     # a newer rollouts version written outside Dagster: the re-score must not read it
     rollouts = store.read_partition(_uri(out, "rollouts"), RUN, 0)
-    newer = store.write_partition(_uri(out, "rollouts"), "rollouts", rollouts.assign(response_text="garbage"),
-                                  run_id=RUN, iteration=0, lineage={"stage": "outside"})
+    newer = store.write_partition(
+        _uri(out, "rollouts"),
+        "rollouts",
+        rollouts.assign(response_text="garbage"),
+        run_id=RUN,
+        iteration=0,
+        lineage={"stage": "outside"},
+    )
     assert newer > recorded
     before = store.table_version(_uri(out, "scored_rollouts"))
 
@@ -79,9 +94,13 @@ def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -
     # time travel still sees the old scores at the old version
     at_old = store.read_partition(_uri(out, "scored_rollouts"), RUN, 0, version=scored_commit["version"])
     assert sorted(at_old["reward"]) == sorted(old0["reward"])
-    changed = query(out / "tables", "SELECT s.rollout_id, b.reward AS before, s.reward AS after FROM scored_rollouts s "
-                                    "JOIN old b USING (run_id, iteration, rollout_id) WHERE s.reward <> b.reward "
-                                    "ORDER BY s.rollout_id", {"old:scored_rollouts": scored_commit["version"]})
+    changed = query(
+        out / "tables",
+        "SELECT s.rollout_id, b.reward AS before, s.reward AS after FROM scored_rollouts s "
+        "JOIN old b USING (run_id, iteration, rollout_id) WHERE s.reward <> b.reward "
+        "ORDER BY s.rollout_id",
+        {"old:scored_rollouts": scored_commit["version"]},
+    )
     assert changed["rollout_id"].tolist() == old0.loc[old0["reward"] != 0.0, "rollout_id"].tolist()
 
     # recompute advantages downstream: it reads the re-scored version the re-materialization recorded
@@ -95,8 +114,9 @@ def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -
 def test_table_written_outside_dagster_is_read_at_newest_and_says_so(run) -> None:
     out, instance = run
     rows = store.read_partition(_uri(out, "rollouts"), RUN, 1)
-    newest = store.write_partition(_uri(out, "rollouts"), "rollouts", rows, run_id="outside", iteration=0,
-                                   lineage={"stage": "outside"})
+    newest = store.write_partition(
+        _uri(out, "rollouts"), "rollouts", rows, run_id="outside", iteration=0, lineage={"stage": "outside"}
+    )
     # Dagster has materializations of rollouts partition 0, but none of them wrote run "outside"
     _materialize(out, instance, "scored_rollouts", [], run_id="outside")
     (commit,) = store.commit_lineage(_uri(out, "scored_rollouts"), run_id="outside", iteration=0)
@@ -107,11 +127,14 @@ def test_table_written_outside_dagster_is_read_at_newest_and_says_so(run) -> Non
 def test_ppo_kl_above_limit_blocks_the_iteration(run) -> None:
     out, instance = run
     metrics_before = store.table_version(_uri(out, "iteration_metrics"))
-    result = _materialize(out, instance, ["policy_checkpoint", "iteration_metrics"], ["trainer.max_ppo_kl=1e-12"],
-                          raise_on_error=False)
+    result = _materialize(
+        out, instance, ["policy_checkpoint", "iteration_metrics"], ["trainer.max_ppo_kl=1e-12"], raise_on_error=False
+    )
     assert not result.success  # the blocking check failed: iteration_metrics (and so the next iteration) never ran
     assert store.table_version(_uri(out, "iteration_metrics")) == metrics_before
-    (check,) = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    (check,) = [
+        e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    ]
     assert check.check_name == "ppo_kl_within_limit" and not check.passed
     message = check.metadata["message"].value
     assert "trainer.max_ppo_kl = 1e-12" in message and "lower actor.optim.lr" in message

@@ -1,4 +1,5 @@
 """Deterministic rollout rows for trainer tests (imported by test modules)."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -12,14 +13,25 @@ def make_rows(n: int, seed: int = 0, vocab: int = 80) -> pd.DataFrame:
     for i in range(n):
         p_len = 4 + int(torch.randint(0, 4, (1,), generator=g))
         r_len = 2 + int(torch.randint(0, 5, (1,), generator=g))
-        rows.append({"rollout_id": i, "group_id": i // 4, "policy_version": 0,
-                     "prompt_token_ids": torch.randint(5, vocab, (p_len,), generator=g).tolist(),
-                     "response_token_ids": torch.randint(5, vocab, (r_len,), generator=g).tolist(),
-                     "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0, "adv_estimator": "grpo",
-                     "token_advantages": [1.0 if i % 2 else -1.0] * r_len})
+        rows.append(
+            {
+                "rollout_id": i,
+                "group_id": i // 4,
+                "policy_version": 0,
+                "prompt_token_ids": torch.randint(5, vocab, (p_len,), generator=g).tolist(),
+                "response_token_ids": torch.randint(5, vocab, (r_len,), generator=g).tolist(),
+                "reward": float(i % 2),
+                "advantage": 1.0 if i % 2 else -1.0,
+                "adv_estimator": "grpo",
+                "token_advantages": [1.0 if i % 2 else -1.0] * r_len,
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def as_trainer_rows(df: pd.DataFrame) -> dict:
-    return {"prompt_token_ids": list(df["prompt_token_ids"]), "response_token_ids": list(df["response_token_ids"]),
-            "advantages": torch.tensor(df["advantage"].to_numpy(), dtype=torch.float32)}
+    return {
+        "prompt_token_ids": list(df["prompt_token_ids"]),
+        "response_token_ids": list(df["response_token_ids"]),
+        "advantages": torch.tensor(df["advantage"].to_numpy(), dtype=torch.float32),
+    }

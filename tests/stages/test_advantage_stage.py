@@ -1,4 +1,5 @@
 """The advantage stage for every wired estimator on a 2-group batch, against hand-derived values."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +12,17 @@ from stages.advantage import compute_advantage_table
 
 def _scored(rewards: list[float], lengths: list[int]) -> pd.DataFrame:
     n = len(rewards)
-    return pd.DataFrame({"rollout_id": range(n), "group_id": [i // 4 for i in range(n)], "policy_version": 0,
-                         "prompt_token_ids": [[5, 6]] * n, "response_token_ids": [[7] * k for k in lengths],
-                         "response_length": lengths, "reward": rewards})
+    return pd.DataFrame(
+        {
+            "rollout_id": range(n),
+            "group_id": [i // 4 for i in range(n)],
+            "policy_version": 0,
+            "prompt_token_ids": [[5, 6]] * n,
+            "response_token_ids": [[7] * k for k in lengths],
+            "response_length": lengths,
+            "reward": rewards,
+        }
+    )
 
 
 def test_grpo_rows_hand_derived() -> None:
@@ -36,8 +45,9 @@ def test_dr_grpo_and_rloo_hand_derived() -> None:
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_every_wired_estimator_gives_finite_token_advantages(name: str) -> None:
-    out = compute_advantage_table(_scored([1, 0, 0, 1, 0, 1, 0, 0], [3, 2, 4, 1, 5, 2, 3, 2]),
-                                  AlgorithmConfig(adv_estimator=name))
+    out = compute_advantage_table(
+        _scored([1, 0, 0, 1, 0, 1, 0, 0], [3, 2, 4, 1, 5, 2, 3, 2]), AlgorithmConfig(adv_estimator=name)
+    )
     assert all(np.isfinite(t).all() for t in out["token_advantages"])
     assert out["adv_estimator"].unique().tolist() == [name]
 

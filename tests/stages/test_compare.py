@@ -1,4 +1,5 @@
 """`rlake compare`: two runs logged to a real MLflow sqlite store through the pipeline's TrackerResource."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,16 @@ def store(tmp_path_factory) -> str:
         mlflow_id = tracker.run_for(name, cfg)
         assert tracker.run_for(name, cfg) == mlflow_id  # found again by its rlake.run_id tag
         for step, (reward, loss) in enumerate([(0.2, 0.9), (0.5 + 0.1 * k, 0.4), (0.4 + 0.1 * k, 0.6)]):
-            tracker.log_metrics(mlflow_id, {"critic/score/mean": reward, "actor/pg_loss": loss,
-                                            "val-core/rlake/arith/reward/mean@1": reward, "timing_s/step": 10.0 + step},
-                                step=step)
+            tracker.log_metrics(
+                mlflow_id,
+                {
+                    "critic/score/mean": reward,
+                    "actor/pg_loss": loss,
+                    "val-core/rlake/arith/reward/mean@1": reward,
+                    "timing_s/step": 10.0 + step,
+                },
+                step=step,
+            )
     return uri
 
 

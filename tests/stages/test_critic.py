@@ -1,4 +1,5 @@
 """The critic of PPO with GAE on a real tiny Qwen2: init from the policy, save/load, values, update."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -10,12 +11,23 @@ from configs.schema import AlgorithmConfig, CriticConfig, OptimConfig, load_conf
 from stages.advantage import compute_advantage_table
 from stages.algos.gae import compute_gae_advantages
 from stages.algos.value import compute_value_loss
-from stages.train.batching import pad_rollouts
 from stages.io.checkpoints import ModelStore
-from stages.train.critic import (OPTIMIZER_FILE, compute_values, critic_data_metrics, critic_update, init_critic,
-                           load_critic, ragged_to_padded, require_critic, response_values, run_critic_update,
-                           update_rows, values_frame)
 from stages.models.policy import load_policy
+from stages.train.batching import pad_rollouts
+from stages.train.critic import (
+    OPTIMIZER_FILE,
+    compute_values,
+    critic_data_metrics,
+    critic_update,
+    init_critic,
+    load_critic,
+    ragged_to_padded,
+    require_critic,
+    response_values,
+    run_critic_update,
+    update_rows,
+    values_frame,
+)
 from stages.train.optim import make_optimizer
 from tests.stages.helpers_rollouts import make_rows
 
@@ -51,7 +63,9 @@ def test_values_one_per_response_token_and_independent_of_padding(critic_v0) -> 
     vals = compute_values(critic, rows["prompt_token_ids"], rows["response_token_ids"], tok.pad_token_id, 8)
     assert [len(v) for v in vals] == [len(r) for r in rows["response_token_ids"]]
     for i in (0, 3):  # a rollout alone (no padding) gets the values it got inside the padded batch
-        alone = compute_values(critic, [rows["prompt_token_ids"][i]], [rows["response_token_ids"][i]], tok.pad_token_id, 1)
+        alone = compute_values(
+            critic, [rows["prompt_token_ids"][i]], [rows["response_token_ids"][i]], tok.pad_token_id, 1
+        )
         assert alone[0] == pytest.approx(vals[i], abs=1e-5)
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], tok.pad_token_id)
     assert response_values(critic, batch).shape == batch["response_mask"].shape  # (N, L)
@@ -61,8 +75,13 @@ def _loss(critic, rows: dict, old_values: list, pad_id: int) -> float:
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
     width = batch["responses"].shape[1]
     with torch.no_grad():
-        loss, _ = compute_value_loss(response_values(critic, batch), ragged_to_padded(rows["returns"], width),
-                                     ragged_to_padded(old_values, width), batch["response_mask"], cliprange_value=10.0)
+        loss, _ = compute_value_loss(
+            response_values(critic, batch),
+            ragged_to_padded(rows["returns"], width),
+            ragged_to_padded(old_values, width),
+            batch["response_mask"],
+            cliprange_value=10.0,
+        )
     return float(loss)
 
 
@@ -86,12 +105,21 @@ def test_vf_clipfrac_is_a_fraction_and_grows_with_a_tight_clip(critic_v0) -> Non
     clipfracs = {}
     for clip in (1e-4, 100.0):
         critic, tok = load_critic(critic_v0)
-        rows["values"] = compute_values(critic, rows["prompt_token_ids"], rows["response_token_ids"], tok.pad_token_id, 8)
+        rows["values"] = compute_values(
+            critic, rows["prompt_token_ids"], rows["response_token_ids"], tok.pad_token_id, 8
+        )
         rows["returns"] = [[2.0] * len(r) for r in rows["response_token_ids"]]
-        cfg = CriticConfig(optim=OptimConfig(lr=1e-3), ppo_mini_batch_size=1, ppo_micro_batch_size=4,
-                           ppo_epochs=3, cliprange_value=clip)
+        cfg = CriticConfig(
+            optim=OptimConfig(lr=1e-3),
+            ppo_mini_batch_size=1,
+            ppo_micro_batch_size=4,
+            ppo_epochs=3,
+            cliprange_value=clip,
+        )
         opt, sched = make_optimizer(critic, cfg.optim)
-        clipfracs[clip] = critic_update(critic, opt, sched, rows, cfg, n_per_prompt=4, pad_id=tok.pad_token_id)["critic/vf_clipfrac"]
+        clipfracs[clip] = critic_update(critic, opt, sched, rows, cfg, n_per_prompt=4, pad_id=tok.pad_token_id)[
+            "critic/vf_clipfrac"
+        ]
     assert 0.0 < clipfracs[1e-4] <= 1.0  # predictions moved > 1e-4 after the first step: clipped
     assert clipfracs[100.0] == 0.0  # nothing moves 100 away
 
@@ -133,13 +161,16 @@ def _scored(n: int = 8) -> pd.DataFrame:
 def test_gae_advantage_table_matches_the_algorithm(critic_v0) -> None:
     scored = _scored()
     vals = values_frame(scored, critic_v0, critic_version=0, micro_batch_size=8)
-    out = compute_advantage_table(scored, AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.95),
-                                  values=vals.iloc[::-1])  # joined by rollout_id, not by row order
+    out = compute_advantage_table(
+        scored, AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.95), values=vals.iloc[::-1]
+    )  # joined by rollout_id, not by row order
     lengths = torch.tensor(scored["response_length"].to_numpy())
     width = int(lengths.max())
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
     token_rewards = torch.zeros(len(scored), width)
-    token_rewards[torch.arange(len(scored)), lengths - 1] = torch.tensor(scored["reward"].to_numpy(), dtype=torch.float32)
+    token_rewards[torch.arange(len(scored)), lengths - 1] = torch.tensor(
+        scored["reward"].to_numpy(), dtype=torch.float32
+    )
     adv, ret = compute_gae_advantages(token_rewards, ragged_to_padded(vals["values"], width), mask, 1.0, 0.95)
     for i, n in enumerate(lengths.tolist()):
         assert out["token_advantages"].iloc[i] == pytest.approx(adv[i, :n].tolist(), abs=1e-5)

@@ -1,4 +1,5 @@
 """Dataset ingest (verl parquet), the synthetic task, and the seeded epoch cursor."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -30,8 +31,15 @@ def test_missing_columns_are_named(tmp_path) -> None:
 
 def test_malformed_prompt_is_named(tmp_path) -> None:
     path = tmp_path / "bad.parquet"
-    pd.DataFrame({"data_source": ["x"], "prompt": [[{"role": "user", "text": "hi"}]], "ability": ["m"],
-                  "reward_model": [{"style": "rule", "ground_truth": "1"}], "extra_info": [{"a": 1}]}).to_parquet(path)
+    pd.DataFrame(
+        {
+            "data_source": ["x"],
+            "prompt": [[{"role": "user", "text": "hi"}]],
+            "ability": ["m"],
+            "reward_model": [{"style": "rule", "ground_truth": "1"}],
+            "extra_info": [{"a": 1}],
+        }
+    ).to_parquet(path)
     with pytest.raises((ValueError, KeyError), match="content|prompt"):
         read_verl_parquet(path, "train")
 

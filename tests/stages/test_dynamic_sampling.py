@@ -1,5 +1,6 @@
 """DAPO in the pipeline: candidate prompt rounds, the group filter, generation until the batch is full
 (real tiny model, real reward stage), and overlong reward shaping in the reward stage."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,16 +29,28 @@ def test_prompt_rounds_are_deterministic_disjoint_and_capped() -> None:
 def test_iteration_prompts_use_gen_batch_size_only_with_filter_groups() -> None:
     plain = load_config("configs/ci_tiny.yaml")
     assert [r for *_, r in iteration_prompts(list(range(50)), 0, plain)] == [0] * 8
-    dapo = load_config("configs/ci_tiny.yaml", ["algorithm.filter_groups.enable=true", "data.gen_batch_size=10",
-                                               "algorithm.filter_groups.max_num_gen_batches=3"])
+    dapo = load_config(
+        "configs/ci_tiny.yaml",
+        [
+            "algorithm.filter_groups.enable=true",
+            "data.gen_batch_size=10",
+            "algorithm.filter_groups.max_num_gen_batches=3",
+        ],
+    )
     picks = iteration_prompts(list(range(50)), 0, dapo)
     assert [sum(1 for *_, r in picks if r == k) for k in range(3)] == [10, 10, 10] and len(picks) == 30
 
 
 def _scored(values: list[float], group_size: int = 2) -> pd.DataFrame:
     n = len(values)
-    return pd.DataFrame({"rollout_id": range(n), "group_id": [10 + i // group_size for i in range(n)],
-                         "score": values, "reward": [v - 0.1 * (i % 2) for i, v in enumerate(values)]})
+    return pd.DataFrame(
+        {
+            "rollout_id": range(n),
+            "group_id": [10 + i // group_size for i in range(n)],
+            "score": values,
+            "reward": [v - 0.1 * (i % 2) for i, v in enumerate(values)],
+        }
+    )
 
 
 def test_filter_metric_and_kept_groups() -> None:
@@ -67,9 +80,18 @@ def _prompt_rounds_frame(tok, rounds: int, per_round: int) -> pd.DataFrame:
     for r in range(rounds):
         for j in range(per_round):
             pid = r * per_round + j
-            rows.append({"prompt_id": pid, "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": f"{pid}+1="}])[0],
-                         "data_source": "rlake/arith", "ground_truth": str(pid + 1), "prompt_text": f"{pid}+1=",
-                         "group_id": pid if r == 0 else -1 - pid, "policy_version": 0, "gen_round": r})
+            rows.append(
+                {
+                    "prompt_id": pid,
+                    "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": f"{pid}+1="}])[0],
+                    "data_source": "rlake/arith",
+                    "ground_truth": str(pid + 1),
+                    "prompt_text": f"{pid}+1=",
+                    "group_id": pid if r == 0 else -1 - pid,
+                    "policy_version": 0,
+                    "gen_round": r,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -104,8 +126,9 @@ def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
 
     def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
         generated.append(r)
-        return generate_rollouts(prompts, model_dir=str(tiny_checkpoint), rollout_cfg=rollout_cfg, max_tokens=6,
-                                 seed=r, use_ray=False)
+        return generate_rollouts(
+            prompts, model_dir=str(tiny_checkpoint), rollout_cfg=rollout_cfg, max_tokens=6, seed=r, use_ray=False
+        )
 
     def score(out: pd.DataFrame) -> pd.DataFrame:
         return score_rollouts(out, reward_cfg, use_ray=False, max_response_length=6)
@@ -118,13 +141,22 @@ def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
     assert out.groupby("group_id")["gen_round"].nunique().max() == 1
     generated.clear()
     with pytest.raises(ValueError, match="dynamic sampling kept 0 groups after 4 generation rounds"):
-        generate_until_full(batch, generate, score, metric="acc", correct_score=1.0, need_groups=1)  # untrained: all wrong
+        generate_until_full(
+            batch, generate, score, metric="acc", correct_score=1.0, need_groups=1
+        )  # untrained: all wrong
     assert generated == [0, 1, 2, 3]
 
 
 def test_overlong_shaping_in_the_reward_stage() -> None:
-    rollouts = pd.DataFrame({"rollout_id": range(4), "data_source": "rlake/arith", "ground_truth": "7",
-                             "response_text": ["#### 7", "#### 7", "#### 3", "#### 7"], "response_length": [4, 6, 7, 8]})
+    rollouts = pd.DataFrame(
+        {
+            "rollout_id": range(4),
+            "data_source": "rlake/arith",
+            "ground_truth": "7",
+            "response_text": ["#### 7", "#### 7", "#### 3", "#### 7"],
+            "response_length": [4, 6, 7, 8],
+        }
+    )
     cfg = RewardConfig(format_score=0.1, overlong_buffer={"enable": True, "len": 4, "penalty_factor": 0.5})
     out = score_rollouts(rollouts, cfg, use_ray=False, max_response_length=8)
     # L_max 8, L_cache 4: free up to 4 tokens; then (4 - |y|) / 4 * 0.5 -> 6: -0.25, 7: -0.375, 8: -0.5
@@ -142,19 +174,28 @@ def test_dapo_config_errors_say_what_and_how() -> None:
 
     with pytest.raises(ValidationError, match="data.gen_batch_size \\(16\\) must be >= data.train_batch_size"):
         load_config("configs/ci_tiny.yaml", ["data.gen_batch_size=16"])
-    with pytest.raises(ValidationError, match="overlong_buffer.len \\(9\\) must be in \\(0, data.max_response_length=8\\]"):
+    with pytest.raises(
+        ValidationError, match="overlong_buffer.len \\(9\\) must be in \\(0, data.max_response_length=8\\]"
+    ):
         load_config("configs/ci_tiny.yaml", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9"])
 
 
 def test_algorithm_metrics_from_stored_columns() -> None:
     from stages.metrics import algorithm_metrics
 
-    scored = pd.DataFrame({"group_id": [1, 1, 2, 2, -1, -1], "gen_round": [0, 0, 0, 0, 1, 1],
-                           "overlong_penalty": [0.0, -0.5, 0.0, 0.0, -1.0, 0.0]})
+    scored = pd.DataFrame(
+        {
+            "group_id": [1, 1, 2, 2, -1, -1],
+            "gen_round": [0, 0, 0, 0, 1, 1],
+            "overlong_penalty": [0.0, -0.5, 0.0, 0.0, -1.0, 0.0],
+        }
+    )
     adv = pd.DataFrame({"group_id": [1, 1, -1, -1], "kl_coef": [0.01] * 4, "reward_kl": [0.1, 0.3, 0.0, 0.2]})
     m = algorithm_metrics(scored, adv)
     assert m["train/num_gen_batches"] == 2 and m["train/num_groups_generated"] == 3 and m["train/num_groups_kept"] == 2
     assert m["actor/reward_kl_penalty"] == pytest.approx(0.15) and m["actor/reward_kl_penalty_coeff"] == 0.01
-    assert m["reward/overlong_penalty/mean"] == pytest.approx(-0.25) and m["reward/overlong_penalized_frac"] == pytest.approx(1 / 3)
+    assert m["reward/overlong_penalty/mean"] == pytest.approx(-0.25) and m[
+        "reward/overlong_penalized_frac"
+    ] == pytest.approx(1 / 3)
     no_kl = algorithm_metrics(scored.drop(columns=["gen_round"]), adv.assign(kl_coef=np.nan))
     assert "actor/reward_kl_penalty" not in no_kl and "train/num_gen_batches" not in no_kl

@@ -1,13 +1,14 @@
 """HF engine: valid tokens, logprobs equal to the trainer's recomputation, finish reasons, weight reload."""
+
 from __future__ import annotations
 
 import torch
 
 from stages.algos.losses import gather_logprobs
-from stages.train.batching import pad_rollouts, response_logits
 from stages.models.engines.base import SamplingSpec
 from stages.models.engines.hf_engine import HFEngine
 from stages.models.policy import encode_chat, load_policy, save_policy
+from stages.train.batching import pad_rollouts, response_logits
 
 
 def _prompts(tok, texts):

@@ -14,6 +14,7 @@ of such gradients shows up at ~1e-5; only ~12 of 129k weights differ by more tha
 Metrics (pg_loss, clipfrac, ppo_kl, entropy, grad_norm, lr) rel 1e-4 / abs 1e-6; AdamW moments
 atol 1e-6 / rtol 1e-4.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,8 +79,9 @@ def policy_and_table(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("megatron")
     tok = build_char_tokenizer()
-    tiny = TinyModelConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=96)
+    tiny = TinyModelConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96
+    )
     save_policy(build_tiny_model(tiny, len(tok), seed=3), tok, root / "policy")
     gen = torch.Generator().manual_seed(0)
     n = N_PROMPTS * N_PER_PROMPT
@@ -87,28 +89,59 @@ def policy_and_table(tmp_path_factory) -> dict:
     for i in range(n):
         p_len = int(torch.randint(3, 8, (1,), generator=gen))
         r_len = int(torch.randint(1, 7, (1,), generator=gen))
-        rows.append(row := {"rollout_id": i, "group_id": i // N_PER_PROMPT, "policy_version": 0,
-                     "prompt_token_ids": torch.randint(5, len(tok), (p_len,), generator=gen).tolist(),
-                     "response_token_ids": torch.randint(1, len(tok), (r_len,), generator=gen).tolist(),
-                     "reward": 0.0, "advantage": float(torch.randn((), generator=gen)), "adv_estimator": "grpo"})
+        rows.append(
+            row := {
+                "rollout_id": i,
+                "group_id": i // N_PER_PROMPT,
+                "policy_version": 0,
+                "prompt_token_ids": torch.randint(5, len(tok), (p_len,), generator=gen).tolist(),
+                "response_token_ids": torch.randint(1, len(tok), (r_len,), generator=gen).tolist(),
+                "reward": 0.0,
+                "advantage": float(torch.randn((), generator=gen)),
+                "adv_estimator": "grpo",
+            }
+        )
         row["token_advantages"] = [row["advantage"]] * r_len  # outcome advantage on every token
     uri = str(root / "advantages")
     version = write_partition(uri, "advantages", pd.DataFrame(rows), run_id="r", iteration=0, lineage={})
     return {"root": root, "advantages_uri": uri, "advantages_version": version}
 
 
-def make_job(ctx: dict, out: str, *, strategy: str = "megatron", tp: int = 1, pp: int = 1,
-             policy_dir: Path | None = None, **actor):
+def make_job(
+    ctx: dict,
+    out: str,
+    *,
+    strategy: str = "megatron",
+    tp: int = 1,
+    pp: int = 1,
+    policy_dir: Path | None = None,
+    **actor,
+):
     from configs.schema import ActorConfig
     from stages.workers.requests import UpdateRequest
 
-    actor_cfg = {"strategy": strategy, "ppo_mini_batch_size": 1, "ppo_micro_batch_size": 2, "ppo_epochs": 1,
-                 "entropy_coeff": 0.01, "optim": {"lr": 1e-3, "grad_clip": 1.0},
-                 "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}, **actor}
-    return UpdateRequest(advantages_uri=ctx["advantages_uri"], advantages_version=ctx["advantages_version"],
-                         run_id="r", iteration=0, n_per_prompt=N_PER_PROMPT, seed=0,
-                         policy_dir=str(policy_dir or ctx["root"] / "policy"), out_dir=str(ctx["root"] / out),
-                         threads_per_worker=1, actor=ActorConfig.model_validate(actor_cfg))
+    actor_cfg = {
+        "strategy": strategy,
+        "ppo_mini_batch_size": 1,
+        "ppo_micro_batch_size": 2,
+        "ppo_epochs": 1,
+        "entropy_coeff": 0.01,
+        "optim": {"lr": 1e-3, "grad_clip": 1.0},
+        "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        **actor,
+    }
+    return UpdateRequest(
+        advantages_uri=ctx["advantages_uri"],
+        advantages_version=ctx["advantages_version"],
+        run_id="r",
+        iteration=0,
+        n_per_prompt=N_PER_PROMPT,
+        seed=0,
+        policy_dir=str(policy_dir or ctx["root"] / "policy"),
+        out_dir=str(ctx["root"] / out),
+        threads_per_worker=1,
+        actor=ActorConfig.model_validate(actor_cfg),
+    )
 
 
 def load_out(out_dir: str) -> tuple[dict, dict, dict]:
@@ -216,8 +249,15 @@ def test_num_workers_not_a_grid_is_rejected() -> None:
     from configs.schema import RunConfig
 
     with pytest.raises(ValueError, match="multiple of tensor_model_parallel_size"):
-        RunConfig.model_validate({"actor": {"strategy": "megatron", "num_workers": 2, "megatron": {
-            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}})
+        RunConfig.model_validate(
+            {
+                "actor": {
+                    "strategy": "megatron",
+                    "num_workers": 2,
+                    "megatron": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+                }
+            }
+        )
 
 
 @pytest.mark.ray

@@ -1,4 +1,5 @@
 """HF <-> Megatron state-dict conversion: exact round trips, QKV/fc1 layouts, TP/PP sharding."""
+
 from __future__ import annotations
 
 import os
@@ -10,13 +11,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from configs.schema import TinyModelConfig
+from stages.models.tiny import build_tiny_model
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
 from stages.train.megatron.model import check_parallel_sizes, hf_arch
-from stages.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.megatron
-TINY = TinyModelConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=96, tie_word_embeddings=True)
+TINY = TinyModelConfig(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    tie_word_embeddings=True,
+)
 VOCAB = 83  # odd on purpose: padded to 84 for TP=2
 
 
@@ -24,8 +31,15 @@ def _llama(tied: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -38,7 +52,9 @@ def test_round_trip_exact(name: str, tp: int, pp: int) -> None:
     hf = MODELS[name]()
     arch = hf_arch(hf.config)
     sd = hf.state_dict()
-    shards = {(t, p): hf_to_megatron(sd, arch, tp=tp, pp=pp, tp_rank=t, pp_rank=p) for t in range(tp) for p in range(pp)}
+    shards = {
+        (t, p): hf_to_megatron(sd, arch, tp=tp, pp=pp, tp_rank=t, pp_rank=p) for t in range(tp) for p in range(pp)
+    }
     back = megatron_to_hf(shards, arch, tp=tp, pp=pp)
     assert sorted(back) == sorted(sd)
     for k in sd:
@@ -56,7 +72,9 @@ def test_qkv_interleaving_per_query_group() -> None:
     sd["model.layers.0.self_attn.k_proj.bias"] = torch.tensor([10.0, 11.0]).repeat_interleave(d)
     sd["model.layers.0.self_attn.v_proj.bias"] = torch.tensor([20.0, 21.0]).repeat_interleave(d)
     for r, expect in enumerate([[0, 1, 10, 20], [2, 3, 11, 21]]):
-        bias = hf_to_megatron(sd, arch, tp=2, pp=1, tp_rank=r, pp_rank=0)["decoder.layers.0.self_attention.linear_qkv.bias"]
+        bias = hf_to_megatron(sd, arch, tp=2, pp=1, tp_rank=r, pp_rank=0)[
+            "decoder.layers.0.self_attention.linear_qkv.bias"
+        ]
         assert bias.reshape(4, d)[:, 0].tolist() == expect
 
 
@@ -68,7 +86,9 @@ def test_fc1_is_gate_then_up_per_tp_rank() -> None:
     # PP=2 over 4 layers: global layer 1 is local layer 1 of stage 0; global 3 is local 1 of stage 1
     for r in range(2):
         fc1 = hf_to_megatron(sd, arch, tp=2, pp=2, tp_rank=r, pp_rank=0)["decoder.layers.1.mlp.linear_fc1.weight"]
-        torch.testing.assert_close(fc1, torch.cat([gate[r * 48:(r + 1) * 48], up[r * 48:(r + 1) * 48]]), rtol=0, atol=0)
+        torch.testing.assert_close(
+            fc1, torch.cat([gate[r * 48 : (r + 1) * 48], up[r * 48 : (r + 1) * 48]]), rtol=0, atol=0
+        )
 
 
 def test_stage_contents_and_tied_copy() -> None:

@@ -1,6 +1,7 @@
 """Each CPU patch in stages.train.megatron.cpu_patches is needed: with all patches but one, a short
 PP=2 run (seed the RNG tracker, build a tied GPTModel stage, one forward-backward through the
 1F1B schedule over gloo) fails on CPU with megatron's CUDA assumption; with all of them it runs."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("megatron.core")
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply on CPU only")]
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply on CPU only"),
+]
 
 
 def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str) -> None:
@@ -31,9 +34,9 @@ def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from configs.schema import TinyModelConfig
+        from stages.models.tiny import build_tiny_model
         from stages.train.megatron.model import build_gpt_model, hf_arch
         from stages.train.megatron.ppo import megatron_attention_mask, run_schedule
-        from stages.models.tiny import build_tiny_model
 
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world)
         step = "seed"
@@ -43,13 +46,24 @@ def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str)
         model = build_gpt_model(arch, 1, world)
         step = "schedule"
         attn = torch.ones(2, 6, dtype=torch.long)
-        batch = {"input_ids": torch.randint(0, 84, (2, 6)), "position_ids": torch.arange(6).expand(2, 6),
-                 "mask4d": megatron_attention_mask(attn), "responses": torch.randint(0, 84, (2, 3)),
-                 "response_mask": torch.ones(2, 3), "prompt_len": 3}
-        run_schedule(model, batch, [torch.tensor([0]), torch.tensor([1])],
-                     lambda mb, logits: (logits.float().mean(), {}), vocab_size=84, forward_only=False)
+        batch = {
+            "input_ids": torch.randint(0, 84, (2, 6)),
+            "position_ids": torch.arange(6).expand(2, 6),
+            "mask4d": megatron_attention_mask(attn),
+            "responses": torch.randint(0, 84, (2, 3)),
+            "response_mask": torch.ones(2, 3),
+            "prompt_len": 3,
+        }
+        run_schedule(
+            model,
+            batch,
+            [torch.tensor([0]), torch.tensor([1])],
+            lambda mb, logits: (logits.float().mean(), {}),
+            vocab_size=84,
+            forward_only=False,
+        )
         step = "done"
-    except Exception as e:  # noqa: BLE001 - the probe reports what failed
+    except Exception as e:
         error = f"{type(e).__name__}: {e}"
     finally:
         with open(f"{out}.{rank}", "w") as f:
@@ -74,9 +88,9 @@ def test_all_patches_run(tmp_path) -> None:
 
 # patch -> the step that fails without it (on at least one rank) and why
 NEEDED = {
-    "patch_rng_tracker": "seed",          # CudaRNGStatesTracker.add: torch.cuda.get_rng_state()
-    "patch_tensor_cuda": "build",         # tied embeddings, PP > 1: last stage's weight.data.cuda()
-    "patch_current_device": "schedule",   # p2p receive buffers on torch.cuda.current_device()
+    "patch_rng_tracker": "seed",  # CudaRNGStatesTracker.add: torch.cuda.get_rng_state()
+    "patch_tensor_cuda": "build",  # tied embeddings, PP > 1: last stage's weight.data.cuda()
+    "patch_current_device": "schedule",  # p2p receive buffers on torch.cuda.current_device()
     "patch_schedule_tensors": "schedule",  # schedules.py: torch.zeros(..., device="cuda")
 }
 

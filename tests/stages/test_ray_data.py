@@ -1,5 +1,6 @@
 """map_with_tasks on a real local Ray: block order kept, a dead worker's block re-run, a bounded number of
 retries, no Ray deprecation warning."""
+
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.ray
 
 def _attempts(tmp_path: Path, fail: str):
     """A stage that records each attempt as a file, then dies (os._exit) or raises as `fail` says."""
+
     def stage(batch: pd.DataFrame) -> pd.DataFrame:
         n = len(list(tmp_path.iterdir()))
         (tmp_path / f"attempt_{n}_{os.getpid()}").touch()
@@ -24,6 +26,7 @@ def _attempts(tmp_path: Path, fail: str):
         if fail == "raise":
             raise ValueError("bad row")
         return batch.assign(y=batch["x"] * 2)
+
     return stage
 
 

@@ -1,4 +1,5 @@
 """Stages on a real local Ray: rollouts on the rollout workers, the update on the actor group (gloo)."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from stages.workers.actor_worker import shard_for_rank
 from stages.workers.requests import UpdateRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers_rollouts import as_trainer_rows, make_rows  # noqa: E402
+from helpers_rollouts import as_trainer_rows, make_rows
 
 pytestmark = pytest.mark.ray
 
@@ -31,8 +32,11 @@ def test_shard_for_rank_splits_every_mini_batch() -> None:
 def test_rollouts_on_rollout_workers(ray_session, tiny_checkpoint) -> None:
     _, tok = load_policy(tiny_checkpoint)
     import pandas as pd
+
     prompts = [encode_chat(tok, [{"role": "user", "content": f"{i}+1="}])[0] for i in range(6)]
-    batch = pd.DataFrame({"prompt_id": range(6), "prompt_token_ids": prompts, "group_id": range(6), "policy_version": 0})
+    batch = pd.DataFrame(
+        {"prompt_id": range(6), "prompt_token_ids": prompts, "group_id": range(6), "policy_version": 0}
+    )
     cfg = RolloutConfig(name="hf", n=3, num_workers=2)
     out = generate_rollouts(batch, model_dir=str(tiny_checkpoint), rollout_cfg=cfg, max_tokens=5, seed=0)
     assert len(out) == 18 and out["rollout_id"].tolist() == list(range(18))
@@ -40,7 +44,9 @@ def test_rollouts_on_rollout_workers(ray_session, tiny_checkpoint) -> None:
     assert (out["response_length"] == out["response_token_ids"].map(len)).all()
     assert (out["rollout_logprobs"].map(len) == out["response_length"]).all()
     assert set(out["finish_reason"]) <= {"stop", "length"} and set(out["engine"]) == {"hf"}
-    again = generate_rollouts(batch, model_dir=str(tiny_checkpoint), rollout_cfg=cfg, max_tokens=5, seed=0, use_ray=False)
+    again = generate_rollouts(
+        batch, model_dir=str(tiny_checkpoint), rollout_cfg=cfg, max_tokens=5, seed=0, use_ray=False
+    )
     # sampling is seeded per batch: Ray's 2 shards see different seeds than one in-process batch, but
     # both runs produce valid rows for every prompt
     assert again["prompt_id"].tolist() == out["prompt_id"].tolist()
@@ -51,11 +57,24 @@ def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp
     df = make_rows(16)
     uri = str(tmp_path / "advantages")
     version = store.write_partition(uri, "advantages", df, run_id="r", iteration=0, lineage={"stage": "test"})
-    actor = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, num_workers=2,
-                        loss_agg_mode="seq-mean-token-mean", optim=OptimConfig(lr=1e-3))
-    req = UpdateRequest(run_id="r", iteration=0, advantages_uri=uri, advantages_version=version,
-                        policy_dir=str(tiny_checkpoint), out_dir=str(tmp_path / "v1"), actor=actor, n_per_prompt=4,
-                        seed=0)
+    actor = ActorConfig(
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size=4,
+        num_workers=2,
+        loss_agg_mode="seq-mean-token-mean",
+        optim=OptimConfig(lr=1e-3),
+    )
+    req = UpdateRequest(
+        run_id="r",
+        iteration=0,
+        advantages_uri=uri,
+        advantages_version=version,
+        policy_dir=str(tiny_checkpoint),
+        out_dir=str(tmp_path / "v1"),
+        actor=actor,
+        n_per_prompt=4,
+        seed=0,
+    )
     metrics = run_update(req)
     assert json.loads((tmp_path / "v1" / METRICS_FILE).read_text())["actor/num_rollouts"] == 16.0
     assert (tmp_path / "v1" / "optimizer.pt").is_file() and metrics["timing_s/update"] > 0
@@ -68,5 +87,8 @@ def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp
     assert metrics["actor/pg_loss"] == pytest.approx(ref["actor/pg_loss"], abs=1e-6)
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.state_dict().values(), model.state_dict().values()))
     assert worst < 1e-5, f"max |w_ddp - w_single| = {worst:.2e}"
-    changed = sum(not torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), load_policy(tiny_checkpoint)[0].state_dict().values()))
+    changed = sum(
+        not torch.equal(a, b)
+        for a, b in zip(ddp.state_dict().values(), load_policy(tiny_checkpoint)[0].state_dict().values())
+    )
     assert changed == len(ddp.state_dict())

@@ -1,5 +1,6 @@
 """Reference log-prob stage: equals the rollout engine's log-probs for the policy that sampled
 (iteration 0: reference == policy v0), is batch-composition independent, and runs on the ref workers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,9 @@ from stages.workers.ref_worker import RefWorker
 def _rollouts(model_dir, n_prompts: int = 5, n: int = 3, temperature: float = 1.0) -> pd.DataFrame:
     _, tok = load_policy(model_dir)
     prompts = [encode_chat(tok, [{"role": "user", "content": f"{i * 7}+{i}="}])[0] for i in range(n_prompts)]
-    batch = pd.DataFrame({"prompt_id": range(n_prompts), "prompt_token_ids": prompts, "group_id": range(n_prompts),
-                          "policy_version": 0})
+    batch = pd.DataFrame(
+        {"prompt_id": range(n_prompts), "prompt_token_ids": prompts, "group_id": range(n_prompts), "policy_version": 0}
+    )
     cfg = RolloutConfig(name="hf", n=n, temperature=temperature)
     return generate_rollouts(batch, model_dir=str(model_dir), rollout_cfg=cfg, max_tokens=6, seed=0, use_ray=False)
 
@@ -38,8 +40,9 @@ def test_ref_logprobs_of_policy_v0_equal_rollout_logprobs(pad_is_eos_checkpoint,
     """At the sampling temperature (verl's ref and actor divide logits by rollout.temperature) the
     reference log-probs of policy v0 are the engine's sampling log-probs."""
     out = _rollouts(pad_is_eos_checkpoint, temperature=temperature)
-    ref = compute_ref_logprobs(out, model_dir=pad_is_eos_checkpoint, micro_batch_size=4, use_ray=False,
-                               temperature=temperature)
+    ref = compute_ref_logprobs(
+        out, model_dir=pad_is_eos_checkpoint, micro_batch_size=4, use_ray=False, temperature=temperature
+    )
     assert ref["rollout_id"].tolist() == out["rollout_id"].tolist()
     assert (ref["ref_logprobs"].map(len) == out["response_length"]).all()
     assert set(ref["ref_policy_version"]) == {0}
@@ -58,21 +61,31 @@ def test_ref_logprobs_equal_the_trainers_recomputation(tiny_checkpoint, temperat
     from stages.train.batching import pad_rollouts
 
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
-    ref = compute_ref_logprobs(out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False,
-                               temperature=temperature)
+    ref = compute_ref_logprobs(
+        out, model_dir=str(tiny_checkpoint), micro_batch_size=2, use_ray=False, temperature=temperature
+    )
     model, tok = load_policy(tiny_checkpoint)
-    batch = pad_rollouts([list(p) for p in out["prompt_token_ids"]], [list(r) for r in out["response_token_ids"]],
-                         tok.pad_token_id)
+    batch = pad_rollouts(
+        [list(p) for p in out["prompt_token_ids"]], [list(r) for r in out["response_token_ids"]], tok.pad_token_id
+    )
     want = compute_logprobs(model, batch, 64, temperature)  # (N, L)
     for i, r in enumerate(ref["ref_logprobs"]):
-        np.testing.assert_allclose(r, want[i, :len(r)].numpy(), atol=1e-5)
+        np.testing.assert_allclose(r, want[i, : len(r)].numpy(), atol=1e-5)
 
 
 def test_ref_logprobs_do_not_depend_on_micro_batching(tiny_checkpoint) -> None:
     out = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
+
     def ref(micro_batch_size: int) -> pd.DataFrame:
-        return RefWorker(0, 1, torch.get_num_threads(), model_dir=str(tiny_checkpoint),
-                         ref_policy_version=REF_POLICY_VERSION, micro_batch_size=micro_batch_size)
+        return RefWorker(
+            0,
+            1,
+            torch.get_num_threads(),
+            model_dir=str(tiny_checkpoint),
+            ref_policy_version=REF_POLICY_VERSION,
+            micro_batch_size=micro_batch_size,
+        )
+
     one = ref(1).compute_ref_log_prob(out)
     all_ = ref(64).compute_ref_log_prob(out)
     for a, b in zip(one["ref_logprobs"], all_["ref_logprobs"]):
@@ -84,8 +97,11 @@ def test_another_reference_gives_other_logprobs(tiny_checkpoint, tmp_path) -> No
     from configs.schema import TinyModelConfig
 
     _, tok = load_policy(tiny_checkpoint)
-    save_policy(build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=5), tok,
-                tmp_path / "other")
+    save_policy(
+        build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=5),
+        tok,
+        tmp_path / "other",
+    )
     out = _rollouts(tiny_checkpoint, n_prompts=2, n=2)
     ref = compute_ref_logprobs(out, model_dir=str(tmp_path / "other"), use_ray=False)
     diff = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(ref["ref_logprobs"], out["rollout_logprobs"])]
@@ -113,11 +129,20 @@ def test_ref_logprobs_on_ref_workers(ray_session, tiny_checkpoint) -> None:
 
 # ---- KL in the reward and the KL controller, in the advantage stage -------------------------------------
 
+
 def _kl_scored() -> tuple[pd.DataFrame, pd.DataFrame]:
-    scored = pd.DataFrame({"rollout_id": [0, 1], "group_id": [0, 0], "policy_version": 0,
-                           "prompt_token_ids": [[5, 6], [5, 6]], "response_token_ids": [[7, 8], [9, 10]],
-                           "response_length": [2, 2], "reward": [1.0, 0.0],
-                           "rollout_logprobs": [[-1.0, -1.0], [-2.0, -2.0]]})
+    scored = pd.DataFrame(
+        {
+            "rollout_id": [0, 1],
+            "group_id": [0, 0],
+            "policy_version": 0,
+            "prompt_token_ids": [[5, 6], [5, 6]],
+            "response_token_ids": [[7, 8], [9, 10]],
+            "response_length": [2, 2],
+            "reward": [1.0, 0.0],
+            "rollout_logprobs": [[-1.0, -1.0], [-2.0, -2.0]],
+        }
+    )
     ref = pd.DataFrame({"rollout_id": [1, 0], "ref_logprobs": [[-2.0, -3.0], [-1.5, -1.0]]})  # any row order
     return scored, ref
 
@@ -127,8 +152,9 @@ def test_kl_in_reward_hand_derived() -> None:
     from stages.advantage import compute_advantage_table
 
     scored, ref = _kl_scored()
-    cfg = AlgorithmConfig(norm_adv_by_std_in_grpo=False, use_kl_in_reward=True, kl_penalty="kl",
-                          kl_ctrl=KLControlConfig(kl_coef=0.1))
+    cfg = AlgorithmConfig(
+        norm_adv_by_std_in_grpo=False, use_kl_in_reward=True, kl_penalty="kl", kl_ctrl=KLControlConfig(kl_coef=0.1)
+    )
     out = compute_advantage_table(scored, cfg, ref=ref, kl_coef=0.1)
     # k1 = logprobs - ref: row 0 [0.5, 0], row 1 [0, 1]; beta 0.1
     # token rewards: row 0 [-0.05, 1 - 0] (sum 0.95), row 1 [0, 0 - 0.1] (sum -0.1)

@@ -1,5 +1,6 @@
 """ReMax in the pipeline: greedy baseline rows (is_baseline) next to the samples, their reward as each
 group's baseline in the advantage stage, and kept out of training, filters and metrics."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,8 @@ from configs.schema import (
 )
 from stages.advantage import compute_advantage_table, drop_flagged_rollouts
 from stages.filter_groups import select_training_groups
-from stages.rollout import add_greedy_baselines
 from stages.metrics import rollout_metrics
+from stages.rollout import add_greedy_baselines
 
 REMAX = AlgorithmConfig(adv_estimator="remax")
 
@@ -23,13 +24,28 @@ REMAX = AlgorithmConfig(adv_estimator="remax")
 def _scored() -> pd.DataFrame:
     """2 groups x (2 samples + 1 greedy baseline); the baseline rows sit between the samples on purpose."""
     rows = [  # rollout_id, group_id, is_baseline, reward, response_length
-        (0, 0, False, 1.0, 3), (1, 0, False, 0.0, 2), (4, 0, True, 0.1, 2),
-        (5, 1, True, 1.0, 1), (2, 1, False, 0.1, 2), (3, 1, False, 1.0, 4)]
-    return pd.DataFrame({
-        "rollout_id": [r[0] for r in rows], "group_id": [r[1] for r in rows], "is_baseline": [r[2] for r in rows],
-        "sample_index": [-1 if r[2] else 0 for r in rows], "reward": [r[3] for r in rows],
-        "response_length": [r[4] for r in rows], "policy_version": 0, "prompt_token_ids": [[5, 6]] * len(rows),
-        "response_token_ids": [[7] * r[4] for r in rows], "finish_reason": "stop", "score": [r[3] for r in rows]})
+        (0, 0, False, 1.0, 3),
+        (1, 0, False, 0.0, 2),
+        (4, 0, True, 0.1, 2),
+        (5, 1, True, 1.0, 1),
+        (2, 1, False, 0.1, 2),
+        (3, 1, False, 1.0, 4),
+    ]
+    return pd.DataFrame(
+        {
+            "rollout_id": [r[0] for r in rows],
+            "group_id": [r[1] for r in rows],
+            "is_baseline": [r[2] for r in rows],
+            "sample_index": [-1 if r[2] else 0 for r in rows],
+            "reward": [r[3] for r in rows],
+            "response_length": [r[4] for r in rows],
+            "policy_version": 0,
+            "prompt_token_ids": [[5, 6]] * len(rows),
+            "response_token_ids": [[7] * r[4] for r in rows],
+            "finish_reason": "stop",
+            "score": [r[3] for r in rows],
+        }
+    )
 
 
 def test_remax_advantages_hand_derived_without_baseline_rows() -> None:
@@ -59,7 +75,9 @@ def test_remax_group_without_or_with_two_baselines_is_a_clear_error() -> None:
 def test_other_estimators_never_see_baseline_rows() -> None:
     scored = _scored()
     with_baselines = compute_advantage_table(scored, AlgorithmConfig(adv_estimator="rloo"))
-    without = compute_advantage_table(scored[~scored["is_baseline"]].reset_index(drop=True), AlgorithmConfig(adv_estimator="rloo"))
+    without = compute_advantage_table(
+        scored[~scored["is_baseline"]].reset_index(drop=True), AlgorithmConfig(adv_estimator="rloo")
+    )
     assert with_baselines["rollout_id"].tolist() == [0, 1, 2, 3]
     # leave-one-out within the 2 samples only: 1.0 - 0.0 = 1, 0.0 - 1.0 = -1; 0.1 - 1.0 = -0.9, 1.0 - 0.1 = 0.9
     assert with_baselines["advantage"].tolist() == pytest.approx([1.0, -1.0, -0.9, 0.9], abs=1e-6)
@@ -76,8 +94,9 @@ def test_flagged_baseline_drops_its_whole_group() -> None:
 
 def test_dapo_filter_ignores_baselines_and_keeps_them_with_their_group() -> None:
     scored = _scored().assign(score=[1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # group 0 samples differ, group 1's agree
-    kept = select_training_groups(scored, FilterGroupsConfig(enable=True, metric="score"), need_groups=1,
-                                  correct_score=1.0)
+    kept = select_training_groups(
+        scored, FilterGroupsConfig(enable=True, metric="score"), need_groups=1, correct_score=1.0
+    )
     assert kept["rollout_id"].tolist() == [0, 1, 4]  # group 1 dropped although its baseline differs from its samples
 
 
@@ -87,8 +106,9 @@ def test_metrics_over_samples_and_the_baseline_mean() -> None:
     assert m["critic/score/mean"] == pytest.approx((1.0 + 0.0 + 0.1 + 1.0) / 4)
     assert m["remax/baseline_reward/mean"] == pytest.approx((0.1 + 1.0) / 2)
     assert m["response_length/mean"] == pytest.approx((3 + 2 + 2 + 4) / 4)
-    assert "remax/baseline_reward/mean" not in rollout_metrics(scored[~scored["is_baseline"]],
-                                                                compute_advantage_table(scored, REMAX), 4)
+    assert "remax/baseline_reward/mean" not in rollout_metrics(
+        scored[~scored["is_baseline"]], compute_advantage_table(scored, REMAX), 4
+    )
 
 
 def test_remax_config_accepts_one_sample_per_prompt() -> None:
@@ -106,11 +126,28 @@ def test_greedy_baselines_from_the_real_engine(tmp_path) -> None:
     from stages.rollout import generate_rollouts
 
     tok = build_char_tokenizer()
-    model_dir = str(save_policy(build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=0),
-                                tok, tmp_path / "policy_v0"))
-    prompts = pd.DataFrame([{"prompt_id": p, "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": f"{p}+1="}])[0],
-                             "data_source": "rlake/arith", "ground_truth": str(p + 1), "prompt_text": f"{p}+1=",
-                             "group_id": 10 + p, "policy_version": 0, "gen_round": 0} for p in range(3)])
+    model_dir = str(
+        save_policy(
+            build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=0),
+            tok,
+            tmp_path / "policy_v0",
+        )
+    )
+    prompts = pd.DataFrame(
+        [
+            {
+                "prompt_id": p,
+                "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": f"{p}+1="}])[0],
+                "data_source": "rlake/arith",
+                "ground_truth": str(p + 1),
+                "prompt_text": f"{p}+1=",
+                "group_id": 10 + p,
+                "policy_version": 0,
+                "gen_round": 0,
+            }
+            for p in range(3)
+        ]
+    )
     cfg = RolloutConfig(name="hf", n=2)
 
     def generate(batch: pd.DataFrame, **kw) -> pd.DataFrame:

@@ -1,4 +1,5 @@
 """stages.run.resume over real Delta tables and checkpoint dirs under tmp_path; worker-group retry."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,17 @@ def _fake_checkpoint(ms: ModelStore, version: int, cfg=None, run_id: str = "R") 
     """A checkpoint dir with the tiny model's config.json (architecture signature only, no weights)."""
     d = ms.policy_dir(version)
     d.mkdir(parents=True, exist_ok=True)
-    t = (cfg.model.tiny if cfg else None)
-    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 84,
-                                               "hidden_size": t.hidden_size if t else 64, "num_hidden_layers": 2}))
+    t = cfg.model.tiny if cfg else None
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "vocab_size": 84,
+                "hidden_size": t.hidden_size if t else 64,
+                "num_hidden_layers": 2,
+            }
+        )
+    )
     if cfg is not None:
         write_trainer_state(d, trainer_state(cfg, run_id, version, 184))
     return d
@@ -46,8 +55,14 @@ def _fake_checkpoint(ms: ModelStore, version: int, cfg=None, run_id: str = "R") 
 
 def _metrics_partition(out: Path, run_id: str, it: int) -> None:
     rows = pd.DataFrame({"policy_version": it + 1, "metric": ["m"], "value": [1.0]})
-    store.write_partition(str(out / "tables" / "iteration_metrics"), "iteration_metrics", rows, run_id=run_id,
-                          iteration=it, lineage={"stage": "t"})
+    store.write_partition(
+        str(out / "tables" / "iteration_metrics"),
+        "iteration_metrics",
+        rows,
+        run_id=run_id,
+        iteration=it,
+        lineage={"stage": "t"},
+    )
 
 
 def test_resume_point_rolls_back_to_the_newest_kept_checkpoint() -> None:
@@ -118,11 +133,18 @@ def test_config_change_is_a_clear_error_unless_allowed(tmp_path) -> None:
     for it in (-1, 0):
         _metrics_partition(tmp_path, "R", it)
     changed = _cfg(tmp_path, "actor.optim.lr=0.5")
-    with pytest.raises(ValueError, match=r"written under config hash .* this config hashes to .*"
-                                         r"resume_allow_config_change=true"):
+    with pytest.raises(
+        ValueError,
+        match=r"written under config hash .* this config hashes to .*"
+        r"resume_allow_config_change=true",
+    ):
         plan_resume(changed, "R")
-    assert plan_resume(_cfg(tmp_path, "actor.optim.lr=0.5", "trainer.resume_allow_config_change=true"),
-                       "R").start_iteration == 1
+    assert (
+        plan_resume(
+            _cfg(tmp_path, "actor.optim.lr=0.5", "trainer.resume_allow_config_change=true"), "R"
+        ).start_iteration
+        == 1
+    )
 
 
 def test_resume_path_checks_location_run_and_architecture(tmp_path) -> None:
@@ -137,7 +159,9 @@ def test_resume_path_checks_location_run_and_architecture(tmp_path) -> None:
     with pytest.raises(ValueError, match="not under this run's checkpoints"):
         plan_resume(elsewhere, None)
     wide = _cfg(tmp_path, "model.tiny.hidden_size=128")
-    with pytest.raises(ValueError, match=r"another architecture .*hidden_size: checkpoint 64 vs config 128.*Resume with"):
+    with pytest.raises(
+        ValueError, match=r"another architecture .*hidden_size: checkpoint 64 vs config 128.*Resume with"
+    ):
         check_architecture(d, wide.model)
 
 
@@ -171,9 +195,11 @@ def test_killed_stage_worker_is_retried_and_the_table_written_once(ray_session, 
 
     marker = tmp_path / "died_once"
     df = pd.DataFrame({"x": range(10)})
-    parts = call_with_retry(lambda: worker_group(DiesOnce, "dies-once", 2, marker=str(marker)),
-                            lambda g: g.call_each(DiesOnce.run, [(b,) for b in split_frame(df, 2)]),
-                            retries=MAX_ACTOR_RESTARTS)
+    parts = call_with_retry(
+        lambda: worker_group(DiesOnce, "dies-once", 2, marker=str(marker)),
+        lambda g: g.call_each(DiesOnce.run, [(b,) for b in split_frame(df, 2)]),
+        retries=MAX_ACTOR_RESTARTS,
+    )
     out = pd.concat(parts, ignore_index=True)
     assert marker.exists()  # a worker really died
     assert sorted(out["x"]) == list(range(10)) and (out["value"] == out["x"] * 2.0).all()  # each row once

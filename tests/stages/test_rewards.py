@@ -1,4 +1,5 @@
 """Reward functions against hand-worked cases (verl gsm8k / MATH semantics) and the reward stage."""
+
 from __future__ import annotations
 
 import math
@@ -7,34 +8,40 @@ import pandas as pd
 import pytest
 
 from configs.schema import RewardConfig
-from stages.reward import RewardStage, score_rollouts
 from stages.data.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_fn_for, score_gsm8k, score_math
+from stages.reward import RewardStage, score_rollouts
 
 
-@pytest.mark.parametrize("text,gt,expected", [
-    ("so the answer is #### 42", "42", 1.0),
-    ("#### 1,234", "1234", 1.0),             # commas stripped
-    ("#### $17", "17", 0.0),                 # verl's regex wants a sign or digit right after '#### '
-    ("#### 17$", "17", 1.0),                 # a '$' after the number is not part of the match
-    ("#### 3 then #### 5", "5", 1.0),        # the LAST #### counts
-    ("#### 3 then #### 5", "3", 0.0),
-    ("the answer is 42", "42", 0.0),         # no #### -> 0 even if correct
-    ("#### -7", "-7", 1.0),
-    ("#### 42", "42.0", 0.0),                # exact string compare, as verl
-])
+@pytest.mark.parametrize(
+    "text,gt,expected",
+    [
+        ("so the answer is #### 42", "42", 1.0),
+        ("#### 1,234", "1234", 1.0),  # commas stripped
+        ("#### $17", "17", 0.0),  # verl's regex wants a sign or digit right after '#### '
+        ("#### 17$", "17", 1.0),  # a '$' after the number is not part of the match
+        ("#### 3 then #### 5", "5", 1.0),  # the LAST #### counts
+        ("#### 3 then #### 5", "3", 0.0),
+        ("the answer is 42", "42", 0.0),  # no #### -> 0 even if correct
+        ("#### -7", "-7", 1.0),
+        ("#### 42", "42.0", 0.0),  # exact string compare, as verl
+    ],
+)
 def test_gsm8k_cases(text: str, gt: str, expected: float) -> None:
     assert score_gsm8k(text, gt) == expected
 
 
-@pytest.mark.parametrize("text,gt,expected", [
-    ("so she has 18 apples", "18", 1.0),           # no '####' needed
-    ("3 + 4 = 7, so 7 + 11 = 18", "18", 1.0),      # the LAST number counts
-    ("3 + 4 = 7, so 7 + 11 = 18", "7", 0.0),
-    ("she has 18.", "18", 0.0),                    # '18.' is one match and is not '.'-stripped (verl)
-    ("#### 1,234", "1234", 0.0),                   # flexible keeps commas (verl)
-    ("total -5 . .", "-5", 1.0),                   # a lone '.' is skipped
-    ("no digits here", "0", 0.0),
-])
+@pytest.mark.parametrize(
+    "text,gt,expected",
+    [
+        ("so she has 18 apples", "18", 1.0),  # no '####' needed
+        ("3 + 4 = 7, so 7 + 11 = 18", "18", 1.0),  # the LAST number counts
+        ("3 + 4 = 7, so 7 + 11 = 18", "7", 0.0),
+        ("she has 18.", "18", 0.0),  # '18.' is one match and is not '.'-stripped (verl)
+        ("#### 1,234", "1234", 0.0),  # flexible keeps commas (verl)
+        ("total -5 . .", "-5", 1.0),  # a lone '.' is skipped
+        ("no digits here", "0", 0.0),
+    ],
+)
 def test_gsm8k_flexible_cases(text: str, gt: str, expected: float) -> None:
     assert score_gsm8k(text, gt, method="flexible") == expected
 
@@ -69,13 +76,16 @@ def test_gsm8k_format_score() -> None:
     assert score_gsm8k("41", "42", format_score=0.1) == 0.0
 
 
-@pytest.mark.parametrize("text,gt,expected", [
-    ("thus \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 0.0),       # no frac-shorthand normalisation
-    ("\\boxed{1} and finally \\boxed{ 2 }", "2", 1.0),  # the last box, spaces removed
-    ("\\boxed{\\left( 3 \\right)}", "(3)", 1.0),
-    ("no box, 2", "2", 0.0),
-])
+@pytest.mark.parametrize(
+    "text,gt,expected",
+    [
+        ("thus \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 0.0),  # no frac-shorthand normalisation
+        ("\\boxed{1} and finally \\boxed{ 2 }", "2", 1.0),  # the last box, spaces removed
+        ("\\boxed{\\left( 3 \\right)}", "(3)", 1.0),
+        ("no box, 2", "2", 0.0),
+    ],
+)
 def test_math_cases(text: str, gt: str, expected: float) -> None:
     assert score_math(text, gt) == expected
 
@@ -92,8 +102,14 @@ def test_unknown_data_source_lists_known_ones() -> None:
 
 
 def _rollouts(texts: list[str], sources: list[str] | None = None) -> pd.DataFrame:
-    return pd.DataFrame({"rollout_id": range(len(texts)), "data_source": sources or ["rlake/arith"] * len(texts),
-                         "response_text": texts, "ground_truth": ["5"] * len(texts)})
+    return pd.DataFrame(
+        {
+            "rollout_id": range(len(texts)),
+            "data_source": sources or ["rlake/arith"] * len(texts),
+            "response_text": texts,
+            "ground_truth": ["5"] * len(texts),
+        }
+    )
 
 
 def test_reward_stage_on_a_batch() -> None:

@@ -1,4 +1,5 @@
 """`rlake sql` on real Delta tables: a bad query is one stderr line naming what exists, never a traceback."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,9 @@ _VALUE = {pa.string(): "x", pa.int64(): 1, pa.int32(): 1, pa.float64(): 0.5, pa.
 def _rows(name: str, n: int = 2) -> pd.DataFrame:
     """n rows of table `name` with a plain value for every declared column (lists get [1])."""
     schema = SCHEMAS[name]
-    return pd.DataFrame({f.name: [_VALUE.get(f.type, [1])] * n for f in schema
-                         if f.name not in ("run_id", "iteration")})
+    return pd.DataFrame(
+        {f.name: [_VALUE.get(f.type, [1])] * n for f in schema if f.name not in ("run_id", "iteration")}
+    )
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
 """Delta I/O on a real table under tmp_path: partition replace, idempotence, lineage, schema."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -16,17 +17,24 @@ def _metrics(values: dict[str, float]) -> pd.DataFrame:
 def test_partition_write_is_idempotent_and_isolated(tmp_path) -> None:
     uri = str(tmp_path / "iteration_metrics")
     lin = {"stage": "t", "upstream": {"advantages": 3}, "config_hash": "abc", "policy_version": "1"}
-    v0 = store.write_partition(uri, "iteration_metrics", _metrics({"a": 1.0, "b": 2.0}), run_id="r", iteration=0, lineage=lin)
+    v0 = store.write_partition(
+        uri, "iteration_metrics", _metrics({"a": 1.0, "b": 2.0}), run_id="r", iteration=0, lineage=lin
+    )
     store.write_partition(uri, "iteration_metrics", _metrics({"a": 5.0}), run_id="r", iteration=1, lineage=lin)
     store.write_partition(uri, "iteration_metrics", _metrics({"a": 7.0}), run_id="other", iteration=0, lineage=lin)
     # a retried write of (r, 0) replaces its rows: no duplicates, other partitions untouched
-    v3 = store.write_partition(uri, "iteration_metrics", _metrics({"a": 9.0, "b": 2.0}), run_id="r", iteration=0, lineage=lin)
+    v3 = store.write_partition(
+        uri, "iteration_metrics", _metrics({"a": 9.0, "b": 2.0}), run_id="r", iteration=0, lineage=lin
+    )
     assert (v0, v3) == (0, 3)
     r0 = store.read_partition(uri, "r", 0).sort_values("metric")
     assert r0["value"].tolist() == [9.0, 2.0] and len(r0) == 2
     assert store.read_partition(uri, "r", 1)["value"].tolist() == [5.0]
     assert store.read_partition(uri, "other", 0)["value"].tolist() == [7.0]
-    assert store.read_partition(uri, "r", 0, version=v0).sort_values("metric")["value"].tolist() == [1.0, 2.0]  # time travel
+    assert store.read_partition(uri, "r", 0, version=v0).sort_values("metric")["value"].tolist() == [
+        1.0,
+        2.0,
+    ]  # time travel
     assert DeltaTable(uri).schema().to_arrow() is not None
     assert len(DeltaTable(uri).to_pandas()) == 4
 
@@ -44,8 +52,14 @@ def test_every_commit_carries_lineage(tmp_path) -> None:
 def test_schema_is_enforced_and_empty_writes_refused(tmp_path) -> None:
     uri = str(tmp_path / "t")
     with pytest.raises(ValueError, match=r"lacks columns \['policy_version'\]"):
-        store.write_partition(uri, "iteration_metrics", pd.DataFrame({"metric": ["a"], "value": [1.0]}),
-                              run_id="r", iteration=0, lineage={})
+        store.write_partition(
+            uri,
+            "iteration_metrics",
+            pd.DataFrame({"metric": ["a"], "value": [1.0]}),
+            run_id="r",
+            iteration=0,
+            lineage={},
+        )
     with pytest.raises(ValueError, match="refusing to write an empty partition"):
         store.write_partition(uri, "iteration_metrics", _metrics({}), run_id="r", iteration=0, lineage={})
     store.write_partition(uri, "iteration_metrics", _metrics({"a": 1.0}), run_id="r", iteration=0, lineage={})
@@ -69,8 +83,9 @@ def test_a_table_from_an_older_schema_gains_new_columns(tmp_path) -> None:
     from deltalake import DeltaTable, write_deltalake
 
     uri = str(tmp_path / "iteration_metrics")
-    old = pa.table({"run_id": ["r", "r"], "iteration": pa.array([0, 1], pa.int64()), "metric": ["m", "m"],
-                    "value": [1.0, 2.0]})  # written before policy_version existed
+    old = pa.table(
+        {"run_id": ["r", "r"], "iteration": pa.array([0, 1], pa.int64()), "metric": ["m", "m"], "value": [1.0, 2.0]}
+    )  # written before policy_version existed
     write_deltalake(uri, old, mode="append", partition_by=["run_id", "iteration"])
     rows = pd.DataFrame({"policy_version": [2], "metric": ["m"], "value": [5.0]})
     store.write_partition(uri, "iteration_metrics", rows, run_id="r", iteration=1, lineage={"stage": "test"})

@@ -1,5 +1,6 @@
 """MLflow run status, Delta lineage as dataset inputs, validation samples and curves, `rlake plot`:
 a real MLflow sqlite store and real Delta tables under tmp_path, no training."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ AUX = "val-aux/rlake/arith/reward/mean@4"
 
 
 def _tracker(tmp_path: Path) -> TrackerResource:
-    return TrackerResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment_name="rlake-test",
-                           artifact_root=(tmp_path / "art").as_uri())
+    return TrackerResource(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        experiment_name="rlake-test",
+        artifact_root=(tmp_path / "art").as_uri(),
+    )
 
 
 def _row(table: str, **values) -> pd.DataFrame:
@@ -36,8 +40,9 @@ def _row(table: str, **values) -> pd.DataFrame:
 
 def _write(tables: Path, table: str, it: int, upstream: dict[str, int], df: pd.DataFrame | None = None) -> int:
     lineage = {"stage": table, "policy_version": str(max(it, 0)), "upstream": upstream, "duration_s": "0.1"}
-    return store.write_partition(str(tables / table), table, _row(table) if df is None else df, run_id="r",
-                                 iteration=it, lineage=lineage)
+    return store.write_partition(
+        str(tables / table), table, _row(table) if df is None else df, run_id="r", iteration=it, lineage=lineage
+    )
 
 
 def _metrics(it: int, values: dict[str, float]) -> pd.DataFrame:
@@ -56,8 +61,14 @@ def tables(tmp_path) -> Path:
         ro = _write(t, "rollouts", it, {"prompt_batches": pb})
         sc = _write(t, "scored_rollouts", it, {"rollouts": ro})
         ad = _write(t, "advantages", it, {"scored_rollouts": sc})
-        m = {"critic/score/mean": 0.2 + 0.1 * it, "response_length/mean": 8.0 - it, "actor/ppo_kl": 0.01 * it,
-             "actor/entropy": 2.0 - 0.1 * it, VAL: 0.3 + 0.1 * it, AUX: 0.2 + 0.1 * it}
+        m = {
+            "critic/score/mean": 0.2 + 0.1 * it,
+            "response_length/mean": 8.0 - it,
+            "actor/ppo_kl": 0.01 * it,
+            "actor/entropy": 2.0 - 0.1 * it,
+            VAL: 0.3 + 0.1 * it,
+            AUX: 0.2 + 0.1 * it,
+        }
         _write(t, "iteration_metrics", it, {"scored_rollouts": sc, "advantages": ad}, _metrics(it, m))
         if it == 0:
             _write(t, "scored_rollouts", 0, {"rollouts": ro})  # a re-score no one read yet
@@ -137,21 +148,39 @@ def test_validation_samples_are_an_mlflow_table(tmp_path) -> None:
     tracker = _tracker(tmp_path)
     client = MlflowClient(tracking_uri=tracker.tracking_uri)
     mid = tracker.run_for("r", step=2)
-    scored = {mode: pd.DataFrame({"prompt_id": [7] * n, "sample_index": range(n), "data_source": "rlake/arith",
-                                  "prompt_text": "1+2=", "response_text": [f"#### {3 + i}" for i in range(n)],
-                                  "ground_truth": "3", "reward": [1.0] + [0.0] * (n - 1), "response_length": 6,
-                                  "finish_reason": "stop", "policy_version": -1, "prompt_token_ids": [[1, 2]] * n})
-              for mode, n in (("greedy", 1), ("sampled", 4))}
+    scored = {
+        mode: pd.DataFrame(
+            {
+                "prompt_id": [7] * n,
+                "sample_index": range(n),
+                "data_source": "rlake/arith",
+                "prompt_text": "1+2=",
+                "response_text": [f"#### {3 + i}" for i in range(n)],
+                "ground_truth": "3",
+                "reward": [1.0] + [0.0] * (n - 1),
+                "response_length": 6,
+                "finish_reason": "stop",
+                "policy_version": -1,
+                "prompt_token_ids": [[1, 2]] * n,
+            }
+        )
+        for mode, n in (("greedy", 1), ("sampled", 4))
+    }
     tables = tmp_path / "tables"
     tracker.log_iteration(mid, str(tables), "r", 1, metrics_version=5, policy_version=2, validation=scored)
     # MlflowClient.load_table searches runs through the global tracking URI, not the client's: read the file
-    table = pd.read_json(client.download_artifacts(mid, "samples/val_step_2.json", str(tmp_path / "dl")), orient="split",
-                         dtype=False)
+    table = pd.read_json(
+        client.download_artifacts(mid, "samples/val_step_2.json", str(tmp_path / "dl")), orient="split", dtype=False
+    )
     assert len(table) == 5 and set(table["sampling"]) == {"greedy", "sampled"}
     assert set(table["policy_version"]) == {2} and set(table["iteration_metrics_version"]) == {5}
     greedy = table[table["sampling"] == "greedy"].iloc[0]
-    assert (greedy["prompt_text"], greedy["response_text"], greedy["ground_truth"], greedy["reward"]) == \
-        ("1+2=", "#### 3", "3", 1.0)
+    assert (greedy["prompt_text"], greedy["response_text"], greedy["ground_truth"], greedy["reward"]) == (
+        "1+2=",
+        "#### 3",
+        "3",
+        1.0,
+    )
     assert "prompt_token_ids" not in table
     logged = json.loads(client.get_run(mid).data.tags["mlflow.loggedArtifacts"])
     assert {"path": "samples/val_step_2.json", "type": "table"} in logged

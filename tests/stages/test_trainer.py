@@ -1,4 +1,5 @@
 """Torch PPO backend without Ray: parameters move, ratios start at 1, zero advantage is a no-op, golden losses."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,14 @@ def test_every_parameter_changes_and_metrics_are_finite(tiny_checkpoint) -> None
     unchanged = [k for k, v in model.state_dict().items() if torch.equal(v, before[k])]
     assert unchanged == []
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-            "actor/lr"} <= set(m)
+    assert {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+    } <= set(m)
 
 
 def test_single_step_is_on_policy(tiny_checkpoint) -> None:

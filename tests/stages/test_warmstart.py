@@ -1,4 +1,5 @@
 """The warm start's lr schedule: cosine over a fixed budget, or constant until a target loss then a cool-down."""
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,9 @@ def _run(schedule: _WarmstartSchedule, losses) -> list[float]:
 def test_without_a_target_it_is_the_cosine_schedule_over_max_steps() -> None:
     factors = _run(_WarmstartSchedule(4, None), [1.0] * 10)
     # 0.5 * (1 + cos(pi * s / 4)) for s = 0..3
-    assert factors == pytest.approx([1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
+    assert factors == pytest.approx(
+        [1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    )
 
 
 def test_constant_until_the_moving_average_crosses_then_a_linear_cool_down() -> None:

@@ -1,4 +1,5 @@
 """GSM8K-style word problems (stages/data/word_problems.py) and the SmolLM2 checkpoint resolution."""
+
 from __future__ import annotations
 
 import os
@@ -9,20 +10,20 @@ import pytest
 
 from configs.schema import RunConfig, SyntheticTaskConfig
 from stages.data.datasets import generate_synthetic_task, read_verl_parquet
-from stages.prompts import build_prompt_rows
 from stages.data.rewards import reward_fn_for, score_gsm8k
-from stages.models.smollm2 import (
-    SMOLLM2_NAME,
-    default_cache_dir,
-    ensure_smollm2_checkpoint,
-    resolve_model_path,
-)
 from stages.data.word_problems import (
     INSTRUCTION,
     TEMPLATES,
     WORD_PROBLEM_SOURCE,
     generate_word_problem_task,
 )
+from stages.models.smollm2 import (
+    SMOLLM2_NAME,
+    default_cache_dir,
+    ensure_smollm2_checkpoint,
+    resolve_model_path,
+)
+from stages.prompts import build_prompt_rows
 
 
 def recompute(template: str, steps: int, question: str) -> int:
@@ -46,8 +47,9 @@ def recompute(template: str, steps: int, question: str) -> int:
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> tuple[pd.DataFrame, pd.DataFrame]:
     out = tmp_path_factory.mktemp("wp")
-    train, val = generate_word_problem_task(out, SyntheticTaskConfig(task="word_problems", num_train=400, num_val=60,
-                                                                     max_operand=20, max_steps=2, seed=3))
+    train, val = generate_word_problem_task(
+        out, SyntheticTaskConfig(task="word_problems", num_train=400, num_val=60, max_operand=20, max_steps=2, seed=3)
+    )
     return pd.read_parquet(train), pd.read_parquet(val)
 
 
@@ -60,8 +62,9 @@ def test_answers_are_correct_by_recomputation(task) -> None:
             assert answer >= 0
             assert answer == recompute(info["template"], int(info["steps"]), question), question
             for a, op, b, c in re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", info["answer"]):  # every worked step
-                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
-                        "/": int(a) / int(b)}[op] == int(c), info["answer"]
+                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b), "/": int(a) / int(b)}[
+                    op
+                ] == int(c), info["answer"]
             assert info["answer"].endswith(f"#### {answer}")
 
 
@@ -99,11 +102,16 @@ def test_parquet_is_verl_valid_and_gold_scores_one(task, tmp_path) -> None:
 
 
 def test_ingest_generates_word_problems_from_config(tmp_path) -> None:
-    cfg = RunConfig.model_validate({
-        "data": {"synthetic": {"task": "word_problems", "num_train": 40, "num_val": 8, "max_operand": 10},
-                 "train_batch_size": 8},
-        "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size": 8},
-        "trainer": {"output_dir": str(tmp_path)}})
+    cfg = RunConfig.model_validate(
+        {
+            "data": {
+                "synthetic": {"task": "word_problems", "num_train": 40, "num_val": 8, "max_operand": 10},
+                "train_batch_size": 8,
+            },
+            "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size": 8},
+            "trainer": {"output_dir": str(tmp_path)},
+        }
+    )
     df = build_prompt_rows(cfg)
     assert (tmp_path / "data" / "word_problems_seed0" / "train.parquet").is_file()
     assert df["split"].value_counts().to_dict() == {"train": 40, "val": 8}
@@ -135,8 +143,9 @@ def test_named_model_resolution_is_idempotent(tmp_path, monkeypatch) -> None:
 
     tok = load_tokenizer(link)
     assert tok.eos_token == "<|im_end|>"
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\n")
 
 

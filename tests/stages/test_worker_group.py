@@ -1,6 +1,7 @@
 """Persistent workers on a real local Ray: the actor group keeps the policy resident across
 updates (and gives the same result as loading from disk), rollout workers keep their engine and take
 new weights in place, and a killed actor is rebuilt."""
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ from stages.workers.requests import UpdateRequest
 from stages.workers.rollout_worker import RolloutWorker
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers_rollouts import make_rows  # noqa: E402
+from helpers_rollouts import make_rows
 
 pytestmark = pytest.mark.ray
 
@@ -33,9 +34,17 @@ def _request(tmp_path: Path, policy_dir: Path, out: str, iteration: int) -> Upda
     uri = str(tmp_path / "advantages")
     version = store.write_partition(uri, "advantages", df, run_id="r", iteration=iteration, lineage={"stage": "test"})
     actor = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, num_workers=2, optim=OptimConfig(lr=1e-3))
-    return UpdateRequest(run_id="r", iteration=iteration, advantages_uri=uri, advantages_version=version,
-                         policy_dir=str(policy_dir), out_dir=str(tmp_path / out), actor=actor, n_per_prompt=4,
-                         seed=iteration)
+    return UpdateRequest(
+        run_id="r",
+        iteration=iteration,
+        advantages_uri=uri,
+        advantages_version=version,
+        policy_dir=str(policy_dir),
+        out_dir=str(tmp_path / out),
+        actor=actor,
+        n_per_prompt=4,
+        seed=iteration,
+    )
 
 
 def _weights(path: Path) -> list[torch.Tensor]:
@@ -97,5 +106,7 @@ def test_rollout_workers_keep_engine_and_sync_weights_in_place(ray_session, tiny
     fresh = RolloutWorker(0, 1, 1, engine="hf")
     reference = fresh.generate(str(tmp_path / "v1"), batch, sampling_from_config(cfg, 6, seed=0, greedy=True))
     assert updated["response_token_ids"].map(list).tolist() == reference["response_token_ids"].map(list).tolist()
-    diffs = [abs(a - b) for x, y in zip(updated["rollout_logprobs"], reference["rollout_logprobs"]) for a, b in zip(x, y)]
+    diffs = [
+        abs(a - b) for x, y in zip(updated["rollout_logprobs"], reference["rollout_logprobs"]) for a, b in zip(x, y)
+    ]
     assert max(diffs) < 1e-5

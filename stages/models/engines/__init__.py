@@ -1,4 +1,5 @@
 """Rollout engines behind one interface (stages.models.engines.base.RolloutEngine)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,5 +38,4 @@ def build_engine(name: str, model_dir: str, **kwargs: object) -> RolloutEngine:
     raise ValueError(f"Unknown rollout engine '{name}'. Valid: ['auto', 'hf', 'vllm']")
 
 
-__all__ = ["Generation", "RolloutEngine", "SamplingSpec", "build_engine", "resolve_engine_name",
-           "vllm_available"]
+__all__ = ["Generation", "RolloutEngine", "SamplingSpec", "build_engine", "resolve_engine_name", "vllm_available"]

@@ -3,6 +3,7 @@
 An engine is built once per RolloutWorker (stages/workers) from a HF-format checkpoint directory, generates
 from already-tokenized prompts, and can take new weights in place after a policy update.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

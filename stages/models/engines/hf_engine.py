@@ -4,6 +4,7 @@ Per-token logprobs are those of the sampling distribution (after temperature / t
 read from `compute_transition_scores(..., normalize_logits=True)`; the trainer recomputes its own
 old_logprobs before the update, as verl does, so PPO ratios never depend on engine numerics.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,9 @@ from stages.models.policy import load_policy
 class HFEngine(RolloutEngine):
     name = "hf"
 
-    def __init__(self, model_dir: str, *, micro_batch_size: int = 256, dtype: str = "float32",
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: str, *, micro_batch_size: int = 256, dtype: str = "float32", num_threads: int | None = None
+    ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.dtype = dtype
@@ -34,8 +36,10 @@ class HFEngine(RolloutEngine):
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
-            raise ValueError(f"checkpoint {model_dir} does not match the engine's model: "
-                             f"missing={sorted(set(missing) - tied)} unexpected={sorted(unexpected)}")
+            raise ValueError(
+                f"checkpoint {model_dir} does not match the engine's model: "
+                f"missing={sorted(set(missing) - tied)} unexpected={sorted(unexpected)}"
+            )
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Generation]]:
@@ -44,8 +48,8 @@ class HFEngine(RolloutEngine):
         expanded = [p for p in prompt_token_ids for _ in range(sampling.n)]
         flat: list[Generation] = []
         for start in range(0, len(expanded), self.micro_batch_size):
-            flat.extend(self._generate_batch(expanded[start:start + self.micro_batch_size], sampling))
-        return [flat[i * sampling.n:(i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
+            flat.extend(self._generate_batch(expanded[start : start + self.micro_batch_size], sampling))
+        return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Generation]:
         tok = self.tokenizer
@@ -53,18 +57,26 @@ class HFEngine(RolloutEngine):
         ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
-        kwargs: dict = dict(max_new_tokens=sampling.max_tokens, return_dict_in_generate=True,
-                            output_scores=True, pad_token_id=tok.pad_token_id,
-                            eos_token_id=tok.eos_token_id)
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        kwargs: dict = dict(
+            max_new_tokens=sampling.max_tokens,
+            return_dict_in_generate=True,
+            output_scores=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         if tok.pad_token_id != tok.eos_token_id:  # pad only fills finished rows, never sampled
             kwargs["suppress_tokens"] = [tok.pad_token_id]
         if sampling.greedy or sampling.temperature == 0:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k if sampling.top_k > 0 else 0)
+            kwargs.update(
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            )
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=tok)
         out = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
@@ -81,6 +93,9 @@ class HFEngine(RolloutEngine):
             text = tok.decode(token_ids, skip_special_tokens=True)
             if finish == "length" and sampling.stop and any(text.endswith(s) for s in sampling.stop):
                 finish = "stop"
-            results.append(Generation(token_ids=token_ids, logprobs=[float(x) for x in lp[:n_tok]],
-                                      finish_reason=finish, text=text))
+            results.append(
+                Generation(
+                    token_ids=token_ids, logprobs=[float(x) for x in lp[:n_tok]], finish_reason=finish, text=text
+                )
+            )
         return results

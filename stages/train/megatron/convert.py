@@ -13,6 +13,7 @@ Layouts (megatron-core local spec):
   copy of the embedding as output_layer.weight on the last stage (megatron's convention).
 The same functions convert any per-parameter tensor of the same shape (e.g. AdamW moments).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,7 @@ from torch import Tensor
 
 from stages.train.megatron.model import HFArch
 
-_COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight")
+_COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -63,8 +63,9 @@ def _pad_vocab(w: Tensor, arch: HFArch, tp: int) -> Tensor:
     return torch.cat([w, w.new_zeros(extra, *w.shape[1:])]) if extra else w
 
 
-def _full_megatron(hf: dict[str, Tensor], arch: HFArch, tp: int, layers: range,
-                   first: bool, last: bool) -> dict[str, Tensor]:
+def _full_megatron(
+    hf: dict[str, Tensor], arch: HFArch, tp: int, layers: range, first: bool, last: bool
+) -> dict[str, Tensor]:
     """Unsharded Megatron tensors of one stage (fc1 kept as (gate, up) for per-rank stacking)."""
     out: dict[str, Tensor | tuple[Tensor, Tensor]] = {}
     emb = _pad_vocab(hf["model.embed_tokens.weight"], arch, tp)
@@ -74,10 +75,15 @@ def _full_megatron(hf: dict[str, Tensor], arch: HFArch, tp: int, layers: range,
         h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out[m + "self_attention.linear_qkv.weight"] = _interleave_qkv(
-            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], arch)
+            hf[h + "self_attn.q_proj.weight"],
+            hf[h + "self_attn.k_proj.weight"],
+            hf[h + "self_attn.v_proj.weight"],
+            arch,
+        )
         if arch.qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = _interleave_qkv(
-                hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], arch)
+                hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], arch
+            )
         out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"])
@@ -91,8 +97,9 @@ def _full_megatron(hf: dict[str, Tensor], arch: HFArch, tp: int, layers: range,
     return out  # type: ignore[return-value]
 
 
-def hf_to_megatron(hf: dict[str, Tensor], arch: HFArch, *, tp: int, pp: int, tp_rank: int,
-                   pp_rank: int) -> dict[str, Tensor]:
+def hf_to_megatron(
+    hf: dict[str, Tensor], arch: HFArch, *, tp: int, pp: int, tp_rank: int, pp_rank: int
+) -> dict[str, Tensor]:
     """The Megatron state dict of rank (tp_rank, pp_rank) from a full HF state dict."""
     full = _full_megatron(hf, arch, tp, stage_layers(arch, pp_rank, pp), pp_rank == 0, pp_rank == pp - 1)
     out = {}
@@ -114,8 +121,9 @@ def _unshard(name: str, parts: list[Tensor]) -> Tensor | tuple[Tensor, Tensor]:
     return parts[0] if dim is None else torch.cat(parts, dim=dim)
 
 
-def megatron_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], arch: HFArch, *, tp: int,
-                   pp: int) -> dict[str, Tensor]:
+def megatron_to_hf(
+    shards: dict[tuple[int, int], dict[str, Tensor]], arch: HFArch, *, tp: int, pp: int
+) -> dict[str, Tensor]:
     """A full HF state dict from every rank's Megatron state dict, keyed (tp_rank, pp_rank).
 
     For tied embeddings the result has lm_head.weight equal to model.embed_tokens.weight,
@@ -130,10 +138,18 @@ def megatron_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], arch: HFArc
             h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
             hf[h + "input_layernorm.weight"] = full[m + "input_layernorm.weight"]
             q, k, vv = _split_qkv(full[m + "self_attention.linear_qkv.weight"], arch)
-            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"] = q, k, vv
+            hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"] = (
+                q,
+                k,
+                vv,
+            )
             if arch.qkv_bias:
                 q, k, vv = _split_qkv(full[m + "self_attention.linear_qkv.bias"], arch)
-                hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"] = q, k, vv
+                hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"] = (
+                    q,
+                    k,
+                    vv,
+                )
             hf[h + "self_attn.o_proj.weight"] = full[m + "self_attention.linear_proj.weight"]
             hf[h + "post_attention_layernorm.weight"] = full[m + "pre_mlp_layernorm.weight"]
             hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"] = full[m + "mlp.linear_fc1.weight"]

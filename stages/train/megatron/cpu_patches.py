@@ -15,6 +15,7 @@ shows, for each patch, that the unpatched call fails on CPU.
 - patch_tensor_cuda: with tied embeddings and PP > 1, `LanguageModule.setup_embeddings_and_output_layer`
   moves the last stage's embedding copy with `weight.data.cuda()`; on CPU `.cuda()` is a no-op.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ _APPLIED: list[str] = []
 
 def patch_rng_tracker() -> None:
     """Make megatron's CUDA RNG states tracker keep CPU generator states."""
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415 - optional extra
 
     base = mrandom.CudaRNGStatesTracker
 
@@ -91,7 +92,7 @@ class _CpuTorch(types.ModuleType):
 
 def patch_schedule_tensors() -> None:
     """`pipeline_parallel/schedules.py` sees a torch whose factories map device="cuda" to cpu."""
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415 - optional extra
 
     schedules.torch = _CpuTorch()
 

@@ -18,6 +18,7 @@ Choices:
   position_ids, which changes no score because a row's real tokens are contiguous (left-padded
   prompt, right-padded response) and RoPE scores depend on position differences only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,16 @@ def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
     return ~allowed[:, None]  # (N, 1, T, T)
 
 
-def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_size: int,
-                 forward_only: bool, temperature: float = 1.0) -> list:
+def run_schedule(
+    model,
+    batch: dict,
+    micro_idx: list[Tensor],
+    loss_fn,
+    *,
+    vocab_size: int,
+    forward_only: bool,
+    temperature: float = 1.0,
+) -> list:
     """Run micro-batches (row indices into batch) through megatron's schedule.
 
     loss_fn(mb, logits (n_mb, L, V)) -> (scalar loss, metrics) is called on the last stage only;
@@ -57,12 +66,19 @@ def run_schedule(model, batch: dict, micro_idx: list[Tensor], loss_fn, *, vocab_
         output = model(mb["input_ids"], mb["position_ids"], mb["mask4d"])
         # last stage: (n_mb, T, V_padded) logits; earlier stages: hidden states
         # (n_mb, L, V) response logits at the rollout temperature, as stages.train.batching.response_logits
-        return output, lambda out: loss_fn(mb, tempered(out[:, p_len - 1:p_len - 1 + l_len, :vocab_size], temperature))
+        return output, lambda out: loss_fn(
+            mb, tempered(out[:, p_len - 1 : p_len - 1 + l_len, :vocab_size], temperature)
+        )
 
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
-        num_microbatches=len(mbs), seq_length=batch["input_ids"].shape[1],
-        micro_batch_size=len(micro_idx[0]), forward_only=forward_only)
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=[model],
+        num_microbatches=len(mbs),
+        seq_length=batch["input_ids"].shape[1],
+        micro_batch_size=len(micro_idx[0]),
+        forward_only=forward_only,
+    )
 
 
 @torch.no_grad()
@@ -72,9 +88,15 @@ def compute_old_logprobs(model, batch: dict, mb_size: int, vocab_size: int, temp
 
     n = batch["input_ids"].shape[0]
     idx = list(torch.arange(n).split(mb_size))
-    outs = run_schedule(model, batch, idx, lambda mb, logits: (logits.new_zeros(()), {
-        "logprobs": gather_logprobs(logits, mb["responses"])}), vocab_size=vocab_size, forward_only=True,
-        temperature=temperature)
+    outs = run_schedule(
+        model,
+        batch,
+        idx,
+        lambda mb, logits: (logits.new_zeros(()), {"logprobs": gather_logprobs(logits, mb["responses"])}),
+        vocab_size=vocab_size,
+        forward_only=True,
+        temperature=temperature,
+    )
     if not ps.is_pipeline_last_stage():
         return torch.zeros_like(batch["response_mask"])
     return torch.cat([o["logprobs"] for o in outs])
@@ -96,9 +118,11 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(synced)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    counted = [p.grad for name, p in named_params
-               if not (tp_partition_dim(name) is None and tp_rank > 0)
-               and not (tied and name == "output_layer.weight")]
+    counted = [
+        p.grad
+        for name, p in named_params
+        if not (tp_partition_dim(name) is None and tp_rank > 0) and not (tied and name == "output_layer.weight")
+    ]
     sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
     dist.all_reduce(sq, group=ps.get_model_parallel_group())
     norm = sq.sqrt()
@@ -122,16 +146,30 @@ def _reduce_metrics(acc: MetricAccumulator, dp: int) -> dict[str, float]:
     metrics = acc.means()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         box = [metrics]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
         metrics = {**box[0], **{k: metrics[k] for k in ("actor/grad_norm", "actor/lr") if k in metrics}}
     metrics = mean_over_workers(metrics, dp, group=ps.get_data_parallel_group())
     return dict(sorted(metrics.items()))
 
 
-def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, vocab_size: int,
-                        tied: bool, n_per_prompt: int, pad_id: int, micro_batch_size: int,
-                        seed: int = 0, temperature: float = 1.0) -> dict[str, float]:
+# long: the docstring, the pipeline's divisibility error and the shared loop's arguments, one per line
+def megatron_ppo_update(
+    model,
+    optimizer,
+    scheduler,
+    rows: dict,
+    actor_cfg,
+    *,
+    vocab_size: int,
+    tied: bool,
+    n_per_prompt: int,
+    pad_id: int,
+    micro_batch_size: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+) -> dict[str, float]:
     """One iteration's policy optimization of this rank's stage on its DP share of the batch.
 
     Args: as `stages.train.actor.ppo_update`; rows are this DP rank's rollouts (the same on every
@@ -148,9 +186,11 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // dp
     if n % per_worker_mini or per_worker_mini % micro_batch_size:
-        raise ValueError(f"{n} rollouts per DP rank must split into mini-batches of {per_worker_mini} and those "
-                         f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
-                         "set actor.megatron.micro_batch_size to a divisor.")
+        raise ValueError(
+            f"{n} rollouts per DP rank must split into mini-batches of {per_worker_mini} and those "
+            f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
+            "set actor.megatron.micro_batch_size to a divisor."
+        )
     metrics = MetricAccumulator()
 
     def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -159,11 +199,22 @@ def megatron_ppo_update(model, optimizer, scheduler, rows: dict, actor_cfg, *, v
         return loss, m
 
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    ppo_loop(n, mini_batch_size=per_worker_mini, micro_batch_size=micro_batch_size, epochs=actor_cfg.ppo_epochs,
-             seed=seed, backward=lambda micro: run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size,
-                                                            forward_only=False, temperature=temperature),
-             finish_grads=lambda: finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip),
-             optimizer=optimizer, scheduler=scheduler, metrics=metrics, prefix="actor", error=ACTOR_GRAD_ERROR)
+    ppo_loop(
+        n,
+        mini_batch_size=per_worker_mini,
+        micro_batch_size=micro_batch_size,
+        epochs=actor_cfg.ppo_epochs,
+        seed=seed,
+        backward=lambda micro: run_schedule(
+            model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False, temperature=temperature
+        ),
+        finish_grads=lambda: finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        prefix="actor",
+        error=ACTOR_GRAD_ERROR,
+    )
     model.eval()
     out = _reduce_metrics(metrics, dp)
     out["actor/num_rollouts"] = float(n * dp)
