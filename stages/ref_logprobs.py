@@ -76,8 +76,3 @@ def compute_ref_logprobs(
     if not (out["ref_logprobs"].map(len).to_numpy() == np.asarray(lengths)).all():
         raise AssertionError("ref log-probs and response lengths differ: a ref worker returned rows of other rollouts")
     return out
-
-
-def needs_ref_logprobs(cfg: RunConfig) -> bool:
-    """Whether the run uses the reference policy: KL as a loss or in the reward."""
-    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)

@@ -23,10 +23,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
+        # the namespace stages.workers.group.ensure_ray gives a local cluster (named, detached worker actors)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="rlake")
     yield ray
     ray.shutdown()
 

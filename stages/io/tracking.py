@@ -58,7 +58,7 @@ VALIDATION_FIGURE = "validation_curve.png"
 @lru_cache(maxsize=1)
 def git_commit() -> str | None:
     """Full commit sha of the checkout rlake's source lives in; None when it is not a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # stages/io/tracking.py -> the checkout
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--show-toplevel", "HEAD"],

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from configs.schema import RolloutConfig
+from stages.dag import uses_reference as needs_ref_logprobs
 from stages.models.policy import encode_chat, load_policy, save_policy
 from stages.models.tiny import build_tiny_model
-from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs, needs_ref_logprobs
+from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs
 from stages.rollout import generate_rollouts
 from stages.workers.ref_worker import RefWorker
 

@@ -137,7 +137,7 @@ def test_raising_reward_fn_names_the_row_or_is_flagged(monkeypatch) -> None:
 
 
 @pytest.mark.ray
-def test_score_rollouts_through_ray_data(ray_session) -> None:
+def test_score_rollouts_through_ray_tasks(ray_session) -> None:
     df = _rollouts([f"#### {i % 7}" for i in range(20)])
     out = score_rollouts(df, RewardConfig(num_workers=2))
     assert out["rollout_id"].tolist() == list(range(20))
