@@ -85,6 +85,15 @@ def read_recorded(
     return df, UpstreamVersion(version, "dagster")
 
 
+def upstream_version(context, rollout_store, table: str, run_id: str, iteration: int) -> UpstreamVersion:
+    """The version read_recorded would read, without reading the rows when a materialization recorded it
+    (for a stage whose workers read the table themselves, e.g. the policy update)."""
+    version = recorded_version(context.instance, rollout_store.uri(table), table, run_id, iteration)
+    if version is not None:
+        return UpstreamVersion(version, "dagster")
+    return read_recorded(context, rollout_store, table, run_id, iteration)[1]
+
+
 def read_if(
     needed: bool, context, rollout_store, table: str, run_id: str, iteration: int
 ) -> tuple[pd.DataFrame | None, UpstreamVersion | None]:

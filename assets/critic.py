@@ -8,7 +8,7 @@ never builds one; critic version v scores iteration v, critic_checkpoint of iter
 import dagster as dg
 import numpy as np
 
-from assets.common import TRAIN, iterations, lineage, read_recorded, timed
+from assets.common import TRAIN, iterations, read_recorded, timed, write_table
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
 from stages.critic_update import train_critic
 from stages.dag import upstream
@@ -36,12 +36,8 @@ def values(
     with timed() as t:
         critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"values of iteration {it}")
         vals = rollout_values(cfg, df, critic_dir, it)
-    v = rollout_store.write(
-        "values",
-        vals,
-        run_id=cfg.run_id,
-        iteration=it,
-        lineage=lineage(cfg, stage="values", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]),
+    v = write_table(
+        rollout_store, cfg, "values", vals, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
     )
     flat = np.concatenate([np.asarray(x, dtype=np.float64) for x in vals["values"]] + [np.zeros(0)])
     bad = int((~np.isfinite(flat)).sum())  # a NaN value would turn every GAE advantage of the batch into NaN

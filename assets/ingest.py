@@ -3,7 +3,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import DATA, TRAIN, lineage, read_recorded, timed
+from assets.common import DATA, TRAIN, read_recorded, timed, write_table
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
 from stages.dag import upstream
 from stages.evaluate import validation_rollouts, validation_summary
@@ -20,12 +20,8 @@ def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) 
     cfg = run_config.load()
     with timed() as t:
         df = build_prompt_rows(cfg)
-    version = rollout_store.write(
-        "prompts",
-        df,
-        run_id=cfg.run_id,
-        iteration=PROMPTS_ITERATION,
-        lineage=lineage(cfg, stage="prompts", policy_version=None, upstream={}, duration_s=t["s"]),
+    version = write_table(
+        rollout_store, cfg, "prompts", df, PROMPTS_ITERATION, policy_version=None, upstream={}, duration_s=t["s"]
     )
     counts = df["split"].value_counts().to_dict()
     return dg.MaterializeResult(
@@ -60,12 +56,17 @@ def initial_policy(
     val = validation_summary(scored, cfg.rollout.n)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)
     tracker.log_metrics(mlflow_id, val, step=0)
-    write_lineage = lineage(
-        cfg, stage="initial_policy", policy_version=0, upstream={"prompts": prompts_version}, duration_s=0
-    )
     metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})
-    version = rollout_store.write(
-        "iteration_metrics", metrics, run_id=cfg.run_id, iteration=PROMPTS_ITERATION, lineage=write_lineage
+    read_versions = {"prompts": prompts_version}
+    version = write_table(
+        rollout_store,
+        cfg,
+        "iteration_metrics",
+        metrics,
+        PROMPTS_ITERATION,
+        policy_version=0,
+        upstream=read_versions,
+        stage="initial_policy",
     )
     tracker.log_iteration(
         mlflow_id,

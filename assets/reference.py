@@ -3,7 +3,7 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
+from assets.common import ROLLOUT, iterations, read_recorded, timed, write_table
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from stages.dag import upstream
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
@@ -26,14 +26,15 @@ def ref_logprobs(
     ray.ensure()
     with timed() as t:
         out = reference_logprobs(cfg, df, ref_dir)
-    v = rollout_store.write(
+    v = write_table(
+        rollout_store,
+        cfg,
         "ref_logprobs",
         out,
-        run_id=cfg.run_id,
-        iteration=it,
-        lineage=lineage(
-            cfg, stage="ref_logprobs", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
-        ),
+        it,
+        policy_version=it,
+        upstream={"rollouts": version},
+        duration_s=t["s"],
     )
     log_ratio = np.concatenate(
         [

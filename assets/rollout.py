@@ -3,7 +3,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import ROLLOUT, iterations, lineage, read_recorded, timed
+from assets.common import ROLLOUT, iterations, read_recorded, timed, write_table
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from stages.dag import upstream
 from stages.io.tables import PROMPTS_ITERATION
@@ -25,14 +25,15 @@ def prompt_batches(
     with timed() as t:
         tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batches"))
         batch = build_prompt_batch(cfg, rows, it, tok)
-    v = rollout_store.write(
+    v = write_table(
+        rollout_store,
+        cfg,
         "prompt_batches",
         batch,
-        run_id=cfg.run_id,
-        iteration=it,
-        lineage=lineage(
-            cfg, stage="prompt_batches", policy_version=it, upstream={"prompts": version}, duration_s=t["s"]
-        ),
+        it,
+        policy_version=it,
+        upstream={"prompts": version},
+        duration_s=t["s"],
     )
     return dg.MaterializeResult(
         metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())}
@@ -63,14 +64,15 @@ def rollouts(
         out = sample_rollouts(
             batch.assign(group_id=batch["position"], policy_version=it), model_dir=str(model_dir), cfg=cfg, iteration=it
         )  # DAPO: rounds of gen_round until the batch is full
-    v = rollout_store.write(
+    v = write_table(
+        rollout_store,
+        cfg,
         "rollouts",
         out,
-        run_id=cfg.run_id,
-        iteration=it,
-        lineage=lineage(
-            cfg, stage="rollouts", policy_version=it, upstream={"prompt_batches": version}, duration_s=t["s"]
-        ),
+        it,
+        policy_version=it,
+        upstream={"prompt_batches": version},
+        duration_s=t["s"],
     )
     empty = int((out["response_length"] == 0).sum())
     tokens = int(out["response_length"].sum())

@@ -3,7 +3,7 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, TRAIN, iterations, lineage, read_if, read_recorded, timed, write_table
+from assets.common import ROLLOUT, TRAIN, iterations, read_if, read_recorded, timed, write_table
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
 from stages.dag import upstream, uses_critic, uses_reference
@@ -29,14 +29,15 @@ def scored_rollouts(
     ray.ensure()
     with timed() as t:
         scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
-    v = rollout_store.write(
+    v = write_table(
+        rollout_store,
+        cfg,
         "scored_rollouts",
         scored,
-        run_id=cfg.run_id,
-        iteration=it,
-        lineage=lineage(
-            cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
-        ),
+        it,
+        policy_version=it,
+        upstream={"rollouts": version},
+        duration_s=t["s"],
     )
     bad = int((~np.isfinite(scored["reward"])).sum())
     flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
@@ -80,13 +81,15 @@ def advantages(
         adv, dropped = iteration_advantages(cfg, scored, values=values, ref=ref, previous=prev)
     if dropped:
         context.log.info(f"dropped {dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
-    upstream = {
+    read_versions = {
         "scored_rollouts": version,
         "values": values_version,
         "ref_logprobs": ref_version,
         "advantages": prev_version,
     }
-    v = write_table(rollout_store, cfg, "advantages", adv, it, policy_version=it, upstream=upstream, duration_s=t["s"])
+    v = write_table(
+        rollout_store, cfg, "advantages", adv, it, policy_version=it, upstream=read_versions, duration_s=t["s"]
+    )
     finite = bool(np.isfinite(adv["advantage"]).all())
     return dg.MaterializeResult(
         metadata={

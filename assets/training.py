@@ -3,7 +3,16 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import EVAL, TRAIN, iterations, read_if, read_recorded, train_prompt_count, write_table
+from assets.common import (
+    EVAL,
+    TRAIN,
+    iterations,
+    read_if,
+    read_recorded,
+    train_prompt_count,
+    upstream_version,
+    write_table,
+)
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
 from stages.dag import ITERATION, upstream, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
@@ -13,7 +22,7 @@ from stages.metrics import iteration_metrics as compute_iteration_metrics
 from stages.metrics import validates
 from stages.models.policy import load_tokenizer
 from stages.run.resume import save_trainer_state
-from stages.update import policy_checkpoint_update
+from stages.update import run_update, update_request
 
 
 @dg.asset(
@@ -41,18 +50,18 @@ def policy_checkpoint(
     state) and its trainer_state.json (stages.run.resume), whether `rlake train` or the UI launched the run."""
     cfg, it = run_config.load(), int(context.partition_key)
     ms = model_store.for_run(cfg.run_id)
-    uri = rollout_store.uri("advantages")
-    _, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
+    adv_version = upstream_version(context, rollout_store, "advantages", cfg.run_id, it)
     out_dir = ms.policy_dir(it + 1)
     ray.ensure()
-    metrics = policy_checkpoint_update(
+    request = update_request(
         cfg,
         it,
-        advantages_uri=uri,
+        advantages_uri=rollout_store.uri("advantages"),
         advantages_version=adv_version,
         out_dir=out_dir,
         policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"),
     )
+    metrics = run_update(request)
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
     save_trainer_state(cfg, out_dir, it + 1, train_prompt_count(rollout_store, cfg.run_id))
     kl_check = ppo_kl_check(metrics, cfg.trainer.max_ppo_kl, it)
@@ -125,8 +134,8 @@ def iteration_metrics(
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
     tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
-    upstream = {"scored_rollouts": s_v, "advantages": a_v}
-    v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=upstream)
+    read_versions = {"scored_rollouts": s_v, "advantages": a_v}
+    v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=read_versions)
     tracker.log_iteration(
         mlflow_id, rollout_store.root, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
     )

@@ -1,11 +1,10 @@
 """The policy_checkpoint stage: one PPO update of policy version N into version N+1.
 
-Flow: assets/training.py `policy_checkpoint` -> `policy_checkpoint_update(cfg, iteration, ...)` ->
-`update_request` (the one builder of an UpdateRequest from the run config; `rlake replay` uses it too)
--> `run_update`, which calls `ActorWorker.update` (stages/workers/actor_worker.py) on every rank of the
-run's "actor" group: actor.num_workers Ray actors in one gloo process group, kept for the whole run.
-Rank 0 writes the new checkpoint, with the update's metrics beside it (METRICS_FILE, read by
-iteration_metrics and replay).
+Flow: assets/training.py `policy_checkpoint` -> `update_request` (the one builder of an UpdateRequest
+from the run config; `rlake replay` uses it too) -> `run_update`, which calls `ActorWorker.update`
+(stages/workers/actor_worker.py) on every rank of the run's "actor" group: actor.num_workers Ray actors
+in one gloo process group, kept for the whole run. Rank 0 writes the new checkpoint, with the update's
+metrics beside it (METRICS_FILE, read by iteration_metrics and replay).
 """
 
 from __future__ import annotations
@@ -69,26 +68,3 @@ def run_update(req: UpdateRequest) -> dict[str, float]:
     metrics["timing_s/update"] = time.perf_counter() - t0
     atomic_write_text(path, json.dumps(metrics, indent=1, sort_keys=True))
     return metrics
-
-
-def policy_checkpoint_update(
-    cfg: RunConfig,
-    iteration: int,
-    *,
-    advantages_uri: str,
-    advantages_version: int,
-    policy_dir: str | Path,
-    out_dir: str | Path,
-) -> dict[str, float]:
-    """The policy_checkpoint asset's work: policy version `iteration` at policy_dir, updated on the
-    iteration's advantages, written as version iteration + 1 to out_dir; returns the update metrics."""
-    return run_update(
-        update_request(
-            cfg,
-            iteration,
-            advantages_uri=advantages_uri,
-            advantages_version=advantages_version,
-            policy_dir=policy_dir,
-            out_dir=out_dir,
-        )
-    )

@@ -24,27 +24,40 @@ from stages.io.tables import COLUMN_DEFAULTS, SCHEMAS
 LINEAGE_PREFIX = "rlake."
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""Where rlake's source lives (stages/io/store.py -> the repository root in a git checkout)."""
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=5, check=True
+    ).stdout.strip()
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """Full commit sha of the checkout rlake's source lives in; None when it is not a git checkout."""
+    try:
+        out = _git("rev-parse", "--show-toplevel", "HEAD").split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # an installed copy (site-packages) inside some other repository is not rlake's checkout
+    return out[1] if len(out) == 2 and Path(out[0]).resolve() == CHECKOUT else None
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """Git commit of the rlake checkout (with '+dirty' when modified), else the package version."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
+    """Git commit of the rlake checkout (12 hex digits, '+dirty' when modified), else the package version."""
+    sha = git_commit()
+    if sha is not None:
         try:
-            return "rlake-" + version("rlake")
-        except PackageNotFoundError:
-            return "unknown"
+            return sha[:12] + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return "rlake-" + version("rlake")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def table_exists(uri: str) -> bool:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +22,10 @@ import pandas as pd
 from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import Dataset, DatasetInput, InputTag
 
+from stages.dag import TABLES
 from stages.io.plots import load_run_metrics, validation_figure
-from stages.io.store import commit_lineage, table_exists
+from stages.io.store import commit_lineage, git_commit, table_exists
 
-LINEAGE_TABLES = (
-    "prompts",
-    "prompt_batches",
-    "rollouts",
-    "ref_logprobs",
-    "scored_rollouts",
-    "values",
-    "advantages",
-    "iteration_metrics",
-)
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 SAMPLE_COLUMNS = [
     "prompt_text",
@@ -55,25 +44,6 @@ SAMPLE_COLUMNS = [
 VALIDATION_FIGURE = "validation_curve.png"
 
 
-@lru_cache(maxsize=1)
-def git_commit() -> str | None:
-    """Full commit sha of the checkout rlake's source lives in; None when it is not a git checkout."""
-    root = Path(__file__).resolve().parents[2]  # stages/io/tracking.py -> the checkout
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    # an installed copy (site-packages) inside some other repository is not rlake's checkout
-    return out[1] if len(out) == 2 and Path(out[0]).resolve() == root else None
-
-
 def code_tags() -> dict[str, str]:
     sha = git_commit()
     return {"mlflow.source.git.commit": sha, "rlake.git_commit": sha} if sha else {}
@@ -82,14 +52,14 @@ def code_tags() -> dict[str, str]:
 def iteration_lineage(
     tables_root: str | Path, run_id: str, iteration: int, *, metrics_version: int | None = None
 ) -> list[dict[str, Any]]:
-    """One Delta commit per table written for (run_id, iteration), in LINEAGE_TABLES order.
+    """One Delta commit per table written for (run_id, iteration), in stages/dag.py's TABLES order.
 
     Tables reached from the iteration_metrics commit `metrics_version` (default: its newest for the
     iteration) through the commits' `upstream` versions get the version that was read; a table with
     commits for the iteration but not reached gets its newest. Each entry: table, uri, version, and
     the commit's lineage (stage, policy_version, upstream, ...)."""
     commits = {}
-    for table in LINEAGE_TABLES:
+    for table in TABLES:
         uri = str(Path(tables_root) / table)
         found = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
         if found:  # newest first
@@ -109,7 +79,7 @@ def iteration_lineage(
         chosen[table] = commit
         todo += list((commit.get("upstream") or {}).items())
     out = []
-    for table in LINEAGE_TABLES:
+    for table in TABLES:
         if table in commits:
             out.append({"table": table, "uri": commits[table]["uri"], **chosen.get(table, commits[table]["newest"])})
     return out
