@@ -28,7 +28,7 @@ def critic_update_request(
         iteration=iteration,
         critic_dir=str(critic_dir),
         out_dir=str(out_dir),
-        critic=cfg.critic,
+        critic=cfg.trainer_role(cfg.critic),
         n_per_prompt=cfg.rollout.n,
         seed=seeds.update(cfg.seed, iteration),
     )

@@ -33,10 +33,12 @@ def filter_metric(scored: pd.DataFrame, metric: str, correct_score: float) -> np
 
 
 def kept_group_ids(scored: pd.DataFrame, metric: str, correct_score: float) -> list[int]:
-    """Group ids whose rollouts do not all share one metric value, in order of first rollout_id."""
+    """Group ids whose rollouts do not all share one metric value, or that hold one rollout (verl's DAPO
+    filter keeps those: std > 0 or a single member), in order of first rollout_id."""
     keep = filter_groups_by_variance(
         torch.tensor(filter_metric(scored, metric, correct_score)),
         torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
+        keep_singletons=True,
     )
     ordered = scored.assign(_keep=keep.numpy()).sort_values("rollout_id")
     return list(dict.fromkeys(ordered.loc[ordered["_keep"], "group_id"].tolist()))

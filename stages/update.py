@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from configs.schema import RunConfig
+from configs.schema import ActorConfig, RunConfig
 from stages import seeds
 from stages.io.checkpoints import atomic_write_text
 from stages.train.batching import logprob_temperature
@@ -41,7 +41,7 @@ def update_request(
         advantages_version=int(advantages_version),
         policy_dir=str(policy_dir),
         out_dir=str(out_dir),
-        actor=cfg.actor,
+        actor=cfg.trainer_role(cfg.actor),
         n_per_prompt=cfg.rollout.n,
         seed=seeds.update(cfg.seed, iteration),
         temperature=logprob_temperature(cfg.rollout.temperature),
@@ -50,11 +50,17 @@ def update_request(
 
 
 def actor_group(req: UpdateRequest) -> WorkerGroup:
-    """The run's "actor" group for this request (rebuilt when the worker count, threads or strategy change).
+    """The run's "actor" group for this request (rebuilt when the worker count, threads or strategy change)."""
+    return actor_workers(req.actor, req.threads_per_worker)
+
+
+def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None) -> WorkerGroup:
+    """The run's "actor" group for actor.num_workers and actor.strategy: the update's and, before it, the
+    old_logprobs stage's (stages/old_logprobs.py), so both find the same processes and resident policy.
     threads_per_worker None: the ranks share the cluster's CPUs (1 rank on 2 cores gets 2, 2 ranks 1 each)."""
-    n = req.actor.num_workers
-    threads = req.threads_per_worker or max(1, int(ray.cluster_resources().get("CPU", 1)) // n)
-    return worker_group(ActorWorker, "actor", n, threads=threads, process_group=True, strategy=req.actor.strategy)
+    n = actor.num_workers
+    threads = threads_per_worker or max(1, int(ray.cluster_resources().get("CPU", 1)) // n)
+    return worker_group(ActorWorker, "actor", n, threads=threads, process_group=True, strategy=actor.strategy)
 
 
 def run_update(req: UpdateRequest) -> dict[str, float]:

@@ -6,15 +6,19 @@ L response len, T = P+L, V vocab. Masks are float {0,1}, 1 = counted in the loss
 GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300): a rollout's advantage is its reward
 minus the mean reward of its group, divided by the group's std (unbiased, as torch.std and verl)
 plus eps. Dr.GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783) drops the std division.
-A group of one rollout gets advantage 0 (verl: mean 0, std 1 for singleton groups).
 
 Every estimator also exists token-level behind one dispatcher, `compute_advantages(name, ...)`,
 with verl's `algorithm.adv_estimator` names (ADV_ESTIMATORS): gae, grpo (Dr.GRPO is grpo with
 norm_adv_by_std_in_grpo=False), rloo, opo, reinforce_plus_plus, reinforce_plus_plus_baseline,
 remax. Outcome scores are the masked sum of token_level_rewards over the response.
-Deviations from verl, all in groups of one rollout (which verl leaves at the raw score):
-grpo, rloo, opo and reinforce_plus_plus_baseline give them advantage 0 (nothing to compare to).
 Outputs are 0 wherever the mask is 0.
+
+Groups of one rollout follow verl exactly: their baseline is 0 (group mean 0, std 1), so the
+advantage is the raw score: score / (1 + eps) for grpo, the score itself for Dr.GRPO, rloo and opo,
+and for reinforce_plus_plus_baseline the score enters the batch whitening as is. Such groups are
+what a filtered batch (flagged rewards dropped, DAPO's filter) or an odd-sized batch leaves behind,
+and a run must give them the numbers verl gives. (verl's rloo_vectorized alone gives them 0; the
+`rloo` name here is verl's `rloo`.)
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def group_mean_std(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, T
         values: (N,) float.
         group_ids: (N,) int64; rollouts of one prompt share an id (any integers).
     Returns:
-        mean (N,), std (N,) with std = 1 for groups of size 1, count (N,).
+        mean (N,), std (N,), count (N,); a group of size 1 gets mean 0 and std 1 (verl), so
+        subtracting the mean and dividing by the std leaves its value unchanged.
     """
     assert values.shape == group_ids.shape, f"{values.shape=} {group_ids.shape=}"
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (N,) dense 0..K-1
@@ -47,7 +52,8 @@ def group_mean_std(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, T
     total = zeros.index_add(0, inverse, v)  # (K,)
     mean = total / count  # (K,)
     sq = zeros.index_add(0, inverse, (v - mean[inverse]) ** 2)  # (K,)
-    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.ones_like(sq))
+    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.ones_like(sq))  # (K,)
+    mean = torch.where(count > 1, mean, torch.zeros_like(mean))  # (K,) singleton: 0
     return (mean[inverse].to(values.dtype), var.sqrt()[inverse].to(values.dtype), count[inverse].to(values.dtype))
 
 
@@ -60,13 +66,14 @@ def compute_grpo_advantages(
         rewards: (N,) scalar outcome reward per rollout.
         group_ids: (N,) int64, rollouts of one prompt share an id.
     Returns:
-        (N,) advantages; a group of size 1 gets 0.
+        (N,) advantages; a group of size 1 keeps its raw reward (mean 0, std 1, as verl):
+        reward / (1 + eps) with scale_by_std, the reward itself without.
     """
-    mean, std, count = group_mean_std(rewards, group_ids)
+    mean, std, _ = group_mean_std(rewards, group_ids)
     adv = rewards - mean
     if scale_by_std:
         adv = adv / (std + eps)
-    return torch.where(count > 1, adv, torch.zeros_like(adv))
+    return adv
 
 
 def broadcast_to_tokens(advantages: Tensor, response_mask: Tensor) -> Tensor:
@@ -126,11 +133,10 @@ def compute_rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
         rewards: (N,) outcome reward per rollout.
         group_ids: (N,) int64, rollouts of one prompt share an id.
     Returns:
-        (N,) advantages; a group of size 1 gets 0.
+        (N,) advantages; a group of size 1 keeps its raw reward (no other member, baseline 0; verl).
     """
-    mean, _, count = group_mean_std(rewards, group_ids)
-    adv = (rewards - mean) * count / (count - 1).clamp(min=1.0)
-    return torch.where(count > 1, adv, torch.zeros_like(adv))
+    mean, _, count = group_mean_std(rewards, group_ids)  # singleton: mean 0, count 1
+    return (rewards - mean) * count / (count - 1).clamp(min=1.0)
 
 
 def compute_opo_advantages(rewards: Tensor, response_lengths: Tensor, group_ids: Tensor) -> Tensor:
@@ -143,13 +149,13 @@ def compute_opo_advantages(rewards: Tensor, response_lengths: Tensor, group_ids:
         response_lengths: (N,) counted response tokens per rollout.
         group_ids: (N,) int64.
     Returns:
-        (N,) r - b; a group of size 1 gets 0.
+        (N,) r - b; a group of size 1 has b = 0 (verl), so it keeps its raw reward.
     """
     lengths = response_lengths.to(rewards.dtype)
     weighted = group_sum(lengths * rewards, group_ids)  # (N,)
     baseline = weighted / group_sum(lengths, group_ids).clamp(min=1.0)  # (N,)
-    count = group_sum(torch.ones_like(rewards), group_ids)
-    return torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+    count = group_sum(torch.ones_like(rewards), group_ids)  # (N,)
+    return rewards - torch.where(count > 1, baseline, torch.zeros_like(baseline))
 
 
 def compute_reinforce_plus_plus_advantages(
@@ -194,10 +200,11 @@ def compute_reinforce_plus_plus_baseline_advantages(
         group_ids: (N,) int64.
         response_mask: (N, L) float {0,1}.
     Returns:
-        (N, L) advantages, 0 where the mask is 0; a group of size 1 is 0 before whitening.
+        (N, L) advantages, 0 where the mask is 0; a group of size 1 enters the whitening with its
+        raw reward (group mean 0, as verl).
     """
-    mean, _, count = group_mean_std(rewards, group_ids)
-    centered = torch.where(count > 1, rewards - mean, torch.zeros_like(rewards))  # (N,)
+    mean, _, _ = group_mean_std(rewards, group_ids)
+    centered = rewards - mean  # (N,)
     tokens = broadcast_to_tokens(centered, response_mask)  # (N, L)
     return masked_whiten(tokens, response_mask) * response_mask
 

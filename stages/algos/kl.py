@@ -5,8 +5,16 @@ L response len, T = P+L, V vocab. Masks are float {0,1}, 1 = counted in the loss
 
 Estimators follow Schulman's note (http://joschu.net/blog/kl-approx.html) and verl's names:
 k1 / kl = log r, abs = |log r|, k2 / mse = 0.5 (log r)^2, k3 / low_var_kl = exp(-log r) - 1 + log r
-clamped to [-10, 10], with log r = logprobs - ref_logprobs; full = the exact KL(pi || pi_ref)
-from full (N, L, V) log-distributions.
+clamped to [-10, 10] (log r first clamped to [-20, 20], as verl, so exp cannot overflow into a NaN
+gradient), with log r = logprobs - ref_logprobs; full = the exact KL(pi || pi_ref) from full
+(N, L, V) log-distributions.
+
+Straight-through variants (verl `kl_penalty`, which strips one trailing "+"): every sampled-token
+name above with a "+" appended (k1+, kl+, abs+, k2+, mse+, k3+, low_var_kl+) has the value of the
+named estimator and the gradient of k2, whose expected gradient is the true KL's (k1's and k3's
+are not): k2 - k2.detach() + named.detach(). k2+ / mse+ are accepted, as in verl, and equal k2.
+There is no full+ (k2 needs the sampled token's log-ratio; verl has no full estimator at all).
+Under no_grad, as in apply_kl_penalty, a "+" name gives exactly the named estimator's value.
 
 The KL is used either as a loss term (actor.use_kl_loss, masked mean of compute_kl_penalty) or in
 the reward (algorithm.use_kl_in_reward, apply_kl_penalty before the advantage estimator).
@@ -19,7 +27,8 @@ from torch import Tensor
 
 from stages.algos.masking import masked_mean
 
-KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "full")
+_SAMPLED = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_ESTIMATORS = (*_SAMPLED, "full", *(f"{name}+" for name in _SAMPLED))
 
 
 def compute_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
@@ -29,7 +38,8 @@ def compute_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Ten
         logprobs: (N, L) log-probs of the sampled tokens under the current policy;
             for kind="full", (N, L, V) log-softmax over the vocabulary.
         ref_logprobs: (N, L) the same under the reference policy; (N, L, V) for "full".
-        kind: one of KL_ESTIMATORS.
+        kind: one of KL_ESTIMATORS; a name ending in "+" is straight-through (value of the
+            named estimator, gradient of k2).
     Returns:
         (N, L) estimate (not masked).
     """
@@ -37,17 +47,26 @@ def compute_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Ten
     if kind == "full":
         assert logprobs.dim() == 3, f"kind='full' needs (N, L, V) log-probs, got {logprobs.shape=}"
         return (logprobs.exp() * (logprobs - ref_logprobs)).sum(dim=-1)  # (N, L)
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"Unknown KL estimator '{kind}'. Valid: {list(KL_ESTIMATORS)}")
     log_ratio = logprobs - ref_logprobs  # (N, L)
+    value = _sampled_kl(log_ratio, kind.removesuffix("+"))  # (N, L)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * log_ratio.square()  # (N, L) carries the gradient
+    return k2 - k2.detach() + value.detach()
+
+
+def _sampled_kl(log_ratio: Tensor, kind: str) -> Tensor:
+    """(N, L) estimator `kind` (a sampled-token name without "+") of a (N, L) log-ratio."""
     if kind in ("k1", "kl"):
         return log_ratio
     if kind == "abs":
         return log_ratio.abs()
     if kind in ("k2", "mse"):
         return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
-        kl = torch.exp(-log_ratio) - 1.0 + log_ratio
-        return kl.clamp(min=-10.0, max=10.0)
-    raise ValueError(f"Unknown KL estimator '{kind}'. Valid: {list(KL_ESTIMATORS)}")
+    x = log_ratio.clamp(min=-20.0, max=20.0)  # k3 / low_var_kl
+    return (torch.exp(-x) - 1.0 + x).clamp(min=-10.0, max=10.0)
 
 
 def apply_kl_penalty(
@@ -68,7 +87,8 @@ def apply_kl_penalty(
         ref_logprobs: (N, L) reference-policy log-probs.
         response_mask: (N, L) float {0,1}.
         kl_coef: beta, the controller's current value.
-        kind: one of KL_ESTIMATORS except "full" (verl's default here is k1 / "kl").
+        kind: one of KL_ESTIMATORS except "full" (verl's default here is k1 / "kl"); a "+" name
+            gives the named estimator's value (no gradient flows here).
     Returns:
         (token_level_rewards (N, L), metrics) with actor/reward_kl_penalty (mean over rollouts
         of the per-rollout token-mean KL; feed it to the KL controller's update) and

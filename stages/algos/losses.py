@@ -8,11 +8,18 @@ Choices (verl's core_algos semantics):
 - clip with separate bounds [1 - clip_ratio_low, 1 + clip_ratio_high] (DAPO clip-higher,
   https://arxiv.org/abs/2503.14476); dual clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729)
   bounds the loss of negative-advantage tokens by -A * clip_ratio_c.
-- loss_agg_mode: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
-  Deviation: seq-mean-token-sum-norm divides the token sum by N * norm_length (Dr.GRPO's batch
-  mean over a constant length); verl divides by L only, so its scale grows with the micro-batch.
+- loss_agg_mode: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm,
+  normalised as verl >= 0.8 `agg_loss` does: a micro-batch's loss is its share of the loss of the
+  whole mini-batch (all micro-batches, all data-parallel ranks; `GlobalBatch`), so the accumulated
+  gradient does not depend on how a mini-batch is split. token-mean divides the micro-batch's token
+  sum by the mini-batch's counted tokens; the seq-mean modes divide by the mini-batch's rows with at
+  least one counted token (fully masked rows are left out of the count); seq-mean-token-sum-norm
+  (Dr.GRPO) further divides by a constant length (norm_length, default L), so it equals
+  token sum / (non-empty rows x L), as verl's. Each is multiplied by dp_size because data-parallel
+  gradient reduction averages over ranks.
 - GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071) clips one length-normalized
-  sequence ratio per rollout instead of per-token ratios.
+  sequence ratio per rollout instead of per-token ratios, and is always aggregated
+  seq-mean-token-mean (as verl, whatever loss_agg_mode says).
 - POLICY_LOSS_FNS maps verl's `policy_loss.loss_mode` names (vanilla, gspo) to functions with one
   shared signature.
 """
@@ -20,6 +27,7 @@ Choices (verl's core_algos semantics):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,6 +36,7 @@ from stages.algos.masking import masked_mean
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "GlobalBatch",
     "POLICY_LOSS_FNS",
     "aggregate_loss",
     "compute_policy_loss",
@@ -41,27 +50,56 @@ __all__ = [
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, mode: str, *, norm_length: int | None = None) -> Tensor:
-    """Reduce a per-token loss to a scalar.
+@dataclass(frozen=True)
+class GlobalBatch:
+    """What a micro-batch's loss is normalised by: the mini-batch it belongs to (verl's global_batch_info).
+
+    num_tokens: counted (mask 1) tokens of the whole mini-batch, summed over the data-parallel ranks.
+    num_seqs: rows of the whole mini-batch with at least one counted token, over the ranks.
+    dp_size: data-parallel ranks whose gradients are averaged.
+    """
+
+    num_tokens: float
+    num_seqs: float
+    dp_size: int = 1
+
+    @staticmethod
+    def of(response_mask: Tensor) -> GlobalBatch:
+        """The batch of one rank holding every row of the mini-batch: response_mask (N, L) float {0,1}."""
+        return GlobalBatch(float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum()), 1)
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    response_mask: Tensor,
+    mode: str,
+    *,
+    norm_length: int | None = None,
+    global_batch: GlobalBatch | None = None,
+) -> Tensor:
+    """Reduce a micro-batch's per-token loss to its share of the mini-batch loss (verl >= 0.8 `agg_loss`).
 
     Args:
-        loss_mat: (N, L) per-token loss.
-        response_mask: (N, L) float {0,1}.
+        loss_mat: (n_mb, L) per-token loss of the micro-batch.
+        response_mask: (n_mb, L) float {0,1}.
         mode: one of LOSS_AGG_MODES.
         norm_length: the constant divisor of seq-mean-token-sum-norm (Dr.GRPO); defaults to L.
+        global_batch: the mini-batch's counts; None = this micro-batch is the whole mini-batch, one rank.
     Returns:
-        scalar.
+        scalar; summed over the micro-batches of a mini-batch (and averaged over its ranks) it is the
+        mini-batch's loss under `mode`.
     """
     assert loss_mat.shape == response_mask.shape, f"{loss_mat.shape=} {response_mask.shape=}"
+    gb = global_batch if global_batch is not None else GlobalBatch.of(response_mask)
     if mode == "token-mean":
-        return masked_mean(loss_mat, response_mask)
-    seq_sum = (loss_mat * response_mask).sum(dim=-1)  # (N,)
-    if mode == "seq-mean-token-sum":
-        return seq_sum.mean()
+        return (loss_mat * response_mask).sum() / max(gb.num_tokens, 1.0) * gb.dp_size
+    seq_sum = (loss_mat * response_mask).sum(dim=-1)  # (n_mb,); fully masked rows add 0
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        loss = seq_sum.sum() / max(gb.num_seqs, 1.0) * gb.dp_size
+        return loss / (norm_length or loss_mat.shape[-1]) if mode == "seq-mean-token-sum-norm" else loss
     if mode == "seq-mean-token-mean":
-        return (seq_sum / response_mask.sum(dim=-1).clamp(min=1.0)).mean()
-    if mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / (loss_mat.shape[0] * (norm_length or loss_mat.shape[-1]))
+        seq_mean = seq_sum / response_mask.sum(dim=-1).clamp(min=1.0)  # (n_mb,)
+        return seq_mean.sum() / max(gb.num_seqs, 1.0) * gb.dp_size
     raise ValueError(f"Unknown loss_agg_mode '{mode}'. Valid: {list(LOSS_AGG_MODES)}")
 
 
@@ -75,6 +113,8 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    global_batch: GlobalBatch | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip; verl's "vanilla" loss mode.
 
@@ -86,9 +126,10 @@ def compute_policy_loss(
         logprobs: (N, L) the same under the policy being optimized (requires grad).
         advantages: (N, L) token advantages.
         response_mask: (N, L) float {0,1}.
+        loss_agg_mode, global_batch, norm_length: as aggregate_loss (N rows of the micro-batch).
     Returns:
-        (loss, metrics) with actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower,
-        actor/ppo_kl.
+        (loss, metrics) with actor/pg_loss (this micro-batch's share of the mini-batch loss),
+        actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (means over the micro-batch's tokens).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(
@@ -101,7 +142,7 @@ def compute_policy_loss(
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # (N, L)
     loss_dual = torch.minimum(loss_ppo, -advantages * clip_ratio_c)
     loss_mat = torch.where(advantages < 0, loss_dual, loss_ppo)  # (N, L)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode)
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, norm_length=norm_length, global_batch=global_batch)
     with torch.no_grad():
         clipped = (loss_clipped > loss_unclipped).float()
         lower = ((loss_ppo > -advantages * clip_ratio_c) & (advantages < 0)).float()
@@ -124,6 +165,8 @@ def compute_policy_loss_gspo(
     clip_ratio_high: float = 4e-4,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
+    global_batch: GlobalBatch | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO: PPO clipping on a length-normalized sequence ratio (verl's "gspo" loss mode).
 
@@ -137,14 +180,15 @@ def compute_policy_loss_gspo(
         advantages: (N, L) token advantages (constant per rollout for outcome estimators).
         response_mask: (N, L) float {0,1}.
         clip_ratio_low, clip_ratio_high: sequence-ratio clip bounds (paper: 3e-4, 4e-4).
-        clip_ratio_c: unused (no dual clip in GSPO); kept for the shared signature.
-        loss_agg_mode: the paper's objective is seq-mean-token-mean (verl forces it; rlake
-            honours the argument).
+        clip_ratio_c, loss_agg_mode, norm_length: unused, kept for the shared signature: there is no
+            dual clip in GSPO, and the paper's objective is seq-mean-token-mean, which verl uses whatever
+            actor.loss_agg_mode says (so does rlake).
+        global_batch: as aggregate_loss.
     Returns:
         (loss, metrics) with actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower (0),
         actor/ppo_kl.
     """
-    del clip_ratio_c
+    del clip_ratio_c, loss_agg_mode, norm_length
     log_ratio = logprobs - old_logprobs  # (N, L)
     seq_log_ratio = (log_ratio * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1.0)
     log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]  # (N, L)
@@ -152,7 +196,7 @@ def compute_policy_loss_gspo(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)  # (N, L)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode)
+    loss = aggregate_loss(loss_mat, response_mask, "seq-mean-token-mean", global_batch=global_batch)
     with torch.no_grad():
         metrics = {
             "actor/pg_loss": float(loss.detach()),
@@ -174,8 +218,8 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered under verl's `loss_mode` name.
 
     Every entry takes (old_logprobs (N, L), logprobs (N, L), advantages (N, L),
-    response_mask (N, L), *, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode)
-    and returns (loss, metrics).
+    response_mask (N, L), *, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
+    global_batch, norm_length) and returns (loss, metrics).
     """
     if name not in POLICY_LOSS_FNS:
         raise ValueError(f"Unknown policy loss '{name}'. Valid: {sorted(POLICY_LOSS_FNS)}")

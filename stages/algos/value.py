@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stages.algos.losses import aggregate_loss
+from stages.algos.losses import GlobalBatch, aggregate_loss
 from stages.algos.masking import masked_mean
 
 
@@ -24,6 +24,9 @@ def compute_value_loss(
     response_mask: Tensor,
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
+    *,
+    global_batch: GlobalBatch | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss with value clipping.
 
@@ -36,7 +39,8 @@ def compute_value_loss(
         old_values: (N, L) critic values at rollout time.
         response_mask: (N, L) float {0,1}.
         cliprange_value: c, the largest move of a prediction away from old_values.
-        loss_agg_mode: one of losses.LOSS_AGG_MODES.
+        loss_agg_mode: one of losses.LOSS_AGG_MODES; global_batch, norm_length: as losses.aggregate_loss
+            (the loss is the micro-batch's share of its mini-batch's loss, as verl >= 0.8).
     Returns:
         (loss, metrics) with critic/vf_loss, critic/vf_clipfrac (fraction of counted tokens where
         the clipped error is the larger), critic/vpred_mean.
@@ -50,7 +54,9 @@ def compute_value_loss(
     loss_unclipped = (vpreds - returns).square()  # (N, L)
     loss_clipped = (vpred_clipped - returns).square()  # (N, L)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    loss = 0.5 * aggregate_loss(loss_mat, response_mask, loss_agg_mode)
+    loss = 0.5 * aggregate_loss(
+        loss_mat, response_mask, loss_agg_mode, norm_length=norm_length, global_batch=global_batch
+    )
     with torch.no_grad():
         metrics = {
             "critic/vf_loss": float(loss.detach()),

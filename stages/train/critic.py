@@ -37,6 +37,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
+from stages.algos.losses import GlobalBatch
 from stages.algos.masking import masked_mean, masked_var
 from stages.io.checkpoints import OPTIMIZER_FILE, atomic_dir, save_optimizer_state
 from stages.models.policy import load_tokenizer
@@ -212,7 +213,8 @@ def critic_update(
             returns): N ragged lists each.
         critic_cfg: configs.schema.CriticConfig.
     Returns:
-        metrics averaged over micro-batches: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
+        metrics averaged over optimizer steps (critic/vf_loss: the mini-batch's loss): critic/vf_loss,
+        critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr.
     """
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
@@ -223,8 +225,8 @@ def critic_update(
     assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
     metrics = MetricAccumulator()
 
-    def loss_fn(mb: dict) -> tuple[Tensor, dict[str, float]]:
-        return critic_loss(response_values(model, mb), mb, critic_cfg)  # values (n_mb, L)
+    def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:
+        return critic_loss(response_values(model, mb), mb, critic_cfg, global_batch)  # values (n_mb, L)
 
     model.train()
     ppo_loop(

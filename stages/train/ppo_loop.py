@@ -3,11 +3,15 @@
 
 Schedule (verl's): an update makes `epochs` passes over this worker's N rollouts. Each pass draws one
 permutation from a generator seeded with the update's seed and cuts it into mini-batches (one optimizer
-step each) of micro-batches (one forward/backward each). A micro-batch's loss is divided by the number of
-micro-batches of its mini-batch, so the accumulated gradient is their mean; then the gradients are
-finished (clipped; Megatron also reduces them over its groups) and one optimizer step is taken.
-Metrics are means over micro-batches (losses) or optimizer steps (grad_norm, lr), then over the
-data-parallel workers.
+step each) of micro-batches (one forward/backward each). Every loss term (policy loss, entropy bonus, KL
+loss, value loss) of a micro-batch is its share of the whole mini-batch's loss under loss_agg_mode
+(verl >= 0.8: normalised by the mini-batch's counted tokens or non-empty rows over all data-parallel
+ranks, `GlobalBatch`), so the accumulated gradient is the mini-batch's gradient however the mini-batch is
+cut into micro-batches or ranks; then the gradients are finished (clipped; Megatron also reduces them over
+its groups) and one optimizer step is taken.
+Metrics: the loss terms (SUMMED_METRICS) are summed over a mini-batch's micro-batches (= the mini-batch's
+loss), other per-micro-batch metrics (clip fractions, ppo_kl) averaged over them; then both are averaged
+over optimizer steps (as grad_norm and lr) and over the data-parallel workers.
 
 Shape legend: n_mb rollouts of a micro-batch, L response len, V vocab.
 """
@@ -21,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stages.algos.kl import compute_kl_penalty
-from stages.algos.losses import entropy_from_logits, gather_logprobs, get_policy_loss_fn, masked_mean
+from stages.algos.losses import GlobalBatch, aggregate_loss, entropy_from_logits, gather_logprobs, get_policy_loss_fn
 from stages.algos.value import compute_value_loss
 from stages.train.batching import select_rows
 from stages.train.optim import optimizer_step
@@ -93,25 +97,49 @@ def ppo_loop(
         optimizer_step(optimizer, scheduler, grad_norm, metrics.add, prefix=prefix, error=error)
 
 
+SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss"})
+"""Loss terms: a micro-batch reports its share of the mini-batch's value, so the mini-batch's is their sum."""
+
+
+def fold_minibatch(metrics: MetricAccumulator, micro: list[dict[str, float]]) -> None:
+    """Add one mini-batch's metrics from those of its micro-batches: SUMMED_METRICS summed, others averaged."""
+    for key in sorted({k for m in micro for k in m}):
+        values = [m[key] for m in micro if key in m]
+        metrics.add(key, sum(values) if key in SUMMED_METRICS else sum(values) / len(values))
+
+
+def mini_batch_counts(response_mask: Tensor, dp_size: int = 1, group=None) -> GlobalBatch:
+    """The GlobalBatch of a mini-batch from this rank's rows of it, response_mask (n_mini, L): counted
+    tokens and non-empty rows summed over the dp_size data-parallel ranks of `group` (a collective)."""
+    counts = torch.tensor([float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    if dp_size > 1:
+        dist.all_reduce(counts, group=group)
+    return GlobalBatch(float(counts[0]), float(counts[1]), dp_size)
+
+
 def accumulate_grads(
     batch: dict,
     micro_idx: list[Tensor],
-    loss_fn: Callable[[dict], tuple[Tensor, dict]],
+    loss_fn: Callable[[dict, GlobalBatch], tuple[Tensor, dict]],
     metrics: MetricAccumulator,
     *,
+    dp_size: int = 1,
     no_sync: Callable | None = None,
 ) -> None:
-    """The torch `backward` of ppo_loop: loss_fn(micro-batch) -> (loss, metrics) on each micro-batch of
-    `batch`, (loss / n_micro).backward(). no_sync: DDP's context manager, so that the gradients are
-    all-reduced once, at the last micro-batch."""
-    n_micro = len(micro_idx)
+    """The torch `backward` of ppo_loop: loss_fn(micro-batch, the mini-batch's GlobalBatch) -> (loss,
+    metrics) on each micro-batch of `batch`, loss.backward() (the loss is already the micro-batch's share
+    of the mini-batch loss). dp_size: ranks of the default process group sharing the mini-batch (DDP);
+    no_sync: DDP's context manager, so that the gradients are all-reduced once, at the last micro-batch."""
+    global_batch = mini_batch_counts(batch["response_mask"][torch.cat(micro_idx)], dp_size)
+    n_micro, micro_metrics = len(micro_idx), []
     for k, idx in enumerate(micro_idx):
         mb = select_rows(batch, idx)
         ctx = no_sync() if no_sync is not None and k < n_micro - 1 else torch.enable_grad()
         with ctx:
-            loss, m = loss_fn(mb)
-            (loss / n_micro).backward()
-        metrics.add_all(m)
+            loss, m = loss_fn(mb, global_batch)
+            loss.backward()
+        micro_metrics.append(m)
+    fold_minibatch(metrics, micro_metrics)
 
 
 def clip_bounds(actor_cfg) -> tuple[float, float]:
@@ -121,39 +149,48 @@ def clip_bounds(actor_cfg) -> tuple[float, float]:
     return low, high
 
 
-def actor_loss(logits: Tensor, mb: dict, actor_cfg) -> tuple[Tensor, dict[str, float]]:
+def actor_loss(
+    logits: Tensor, mb: dict, actor_cfg, global_batch: GlobalBatch | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """The policy loss of one micro-batch from its response logits (n_mb, L, V), already divided by the
     rollout temperature: policy-gradient loss (actor.policy_loss.loss_mode) - entropy_coeff * entropy
-    (+ kl_loss_coef * KL to the reference policy with actor.use_kl_loss).
+    (+ kl_loss_coef * KL to the reference policy with actor.use_kl_loss), every term aggregated with
+    actor.loss_agg_mode over `global_batch` (verl >= 0.8; None: the micro-batch is the mini-batch).
 
     mb: responses, response_mask, old_logprobs, advantages (and ref_logprobs), (n_mb, L) each.
     Returns (loss, metrics): the policy loss's actor/pg_loss, pg_clipfrac, ... plus actor/entropy
-    (and actor/kl_loss)."""
+    (and actor/kl_loss); the loss terms are this micro-batch's shares of the mini-batch's values."""
     logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
     low, high = clip_bounds(actor_cfg)
+    mask, mode = mb["response_mask"], actor_cfg.loss_agg_mode
+    agg = {"global_batch": global_batch, "norm_length": actor_cfg.loss_scale_factor}
     pg_loss, metrics = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)(
         mb["old_logprobs"],
         logprobs,
         mb["advantages"],
-        mb["response_mask"],
+        mask,
         clip_ratio_low=low,
         clip_ratio_high=high,
         clip_ratio_c=actor_cfg.clip_ratio_c,
-        loss_agg_mode=actor_cfg.loss_agg_mode,
+        loss_agg_mode=mode,
+        **agg,
     )
-    entropy = masked_mean(entropy_from_logits(logits), mb["response_mask"])
+    entropy = aggregate_loss(entropy_from_logits(logits), mask, mode, **agg)
     loss = pg_loss - actor_cfg.entropy_coeff * entropy
     metrics = {**metrics, "actor/entropy": float(entropy.detach())}
     if actor_cfg.use_kl_loss:
-        kl = masked_mean(compute_kl_penalty(logprobs, mb["ref_logprobs"], actor_cfg.kl_loss_type), mb["response_mask"])
+        kl = aggregate_loss(compute_kl_penalty(logprobs, mb["ref_logprobs"], actor_cfg.kl_loss_type), mask, mode, **agg)
         loss = loss + actor_cfg.kl_loss_coef * kl
         metrics["actor/kl_loss"] = float(kl.detach())
     return loss, metrics
 
 
-def critic_loss(vpreds: Tensor, mb: dict, critic_cfg) -> tuple[Tensor, dict[str, float]]:
+def critic_loss(
+    vpreds: Tensor, mb: dict, critic_cfg, global_batch: GlobalBatch | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """The clipped value loss of one micro-batch: vpreds (n_mb, L) against mb's returns, clipped around
-    its rollout-time old_values (stages.algos.value). Returns (loss, critic/vf_loss, vf_clipfrac, ...)."""
+    its rollout-time old_values (stages.algos.value), aggregated with critic.loss_agg_mode over
+    `global_batch` as actor_loss. Returns (loss, critic/vf_loss, vf_clipfrac, ...)."""
     return compute_value_loss(
         vpreds,
         mb["returns"],
@@ -161,4 +198,6 @@ def critic_loss(vpreds: Tensor, mb: dict, critic_cfg) -> tuple[Tensor, dict[str,
         mb["response_mask"],
         cliprange_value=critic_cfg.cliprange_value,
         loss_agg_mode=critic_cfg.loss_agg_mode,
+        global_batch=global_batch,
+        norm_length=critic_cfg.loss_scale_factor,
     )

@@ -31,23 +31,80 @@ def test_grpo_one_group_golden():
     torch.testing.assert_close(adv, expect, atol=1e-5, rtol=0)
 
 
-def test_dr_grpo_drops_std_and_singleton_is_zero():
-    # Dr.GRPO: r - mean = ±0.5 for group 0; group 5 has one rollout -> 0 (nothing to compare to).
+def test_dr_grpo_drops_std_and_singleton_keeps_its_score():
+    # Dr.GRPO: r - mean = ±0.5 for group 0; group 5 has one rollout: mean 0 (verl) -> 3 - 0 = 3.
     adv = compute_grpo_advantages(T([1.0, 0.0, 0.0, 1.0, 3.0]), T([0, 0, 0, 0, 5]), scale_by_std=False)
-    torch.testing.assert_close(adv, T([0.5, -0.5, -0.5, 0.5, 0.0]))
+    torch.testing.assert_close(adv, T([0.5, -0.5, -0.5, 0.5, 3.0]))
+
+
+def test_grpo_singleton_is_score_over_one_plus_eps():
+    # one rollout, reward 1: mean 0, std 1 (verl) -> (1 - 0) / (1 + 1e-6) = 0.999999000001;
+    # eps 0.5 makes the division visible: 1 / 1.5 = 0.666667. Reward -2: -2 / 1.5 = -1.333333.
+    torch.testing.assert_close(compute_grpo_advantages(T([1.0]), T([4])), T([1 / (1 + 1e-6)]), atol=0, rtol=1e-7)
+    adv = compute_grpo_advantages(T([1.0, -2.0]), T([4, 9]), eps=0.5)
+    torch.testing.assert_close(adv, T([0.666667, -1.333333]), atol=1e-6, rtol=0)
 
 
 def test_rloo_golden():
     # rewards [1,0,0,0]: A_0 = 1 - mean(0,0,0) = 1; A_j = 0 - mean(1,0,0) = -1/3.
-    # Same as (r - 0.25) * 4/3. Group 2 is a singleton -> 0.
+    # Same as (r - 0.25) * 4/3. Group 2 is a singleton: no other member, baseline 0 -> 7 (verl).
     adv = compute_rloo_advantages(T([1.0, 0.0, 0.0, 0.0, 7.0]), T([1, 1, 1, 1, 2]))
-    torch.testing.assert_close(adv, T([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0]))
+    torch.testing.assert_close(adv, T([1.0, -1 / 3, -1 / 3, -1 / 3, 7.0]))
 
 
 def test_opo_golden():
     # rewards [1,0], lengths [1,3]: b = (1*1 + 3*0) / (1+3) = 0.25 -> adv [0.75, -0.25].
     adv = compute_opo_advantages(T([1.0, 0.0]), T([1.0, 3.0]), T([0, 0]))
     torch.testing.assert_close(adv, T([0.75, -0.25]))
+
+
+def test_opo_singleton_keeps_its_score():
+    # group 3 is one rollout of length 5: verl's baseline is 0, not 5*0.4/5 = 0.4 -> adv 0.4.
+    torch.testing.assert_close(compute_opo_advantages(T([0.4]), T([5.0]), T([3])), T([0.4]))
+
+
+# Mixed batch: a singleton group 7 (reward 2) and a group 3 of three (rewards 1, 0, 0), as a
+# filtered or odd-sized batch leaves them. Group 3 statistics: mean 1/3, deviations 2/3, -1/3, -1/3,
+# squares 4/9 + 1/9 + 1/9 = 2/3, unbiased var (2/3)/2 = 1/3, std 0.577350.
+MIXED_REWARDS, MIXED_IDS, MIXED_LENGTHS = T([2.0, 1.0, 0.0, 0.0]), T([7, 3, 3, 3]), T([4.0, 1.0, 2.0, 3.0])
+MIXED_EXPECTED = {
+    # singleton 2 / (1 + 1e-6) = 1.999998; group (2/3) / (0.577350 + 1e-6) = 1.154699 and
+    # (-1/3) / 0.577351 = -0.577349 (eps moves the 6th decimal: 1.154701 without it).
+    "grpo": [1.999998, 1.154699, -0.577349, -0.577349],
+    # singleton 2 - 0 = 2; group r - 1/3.
+    "dr_grpo": [2.0, 2 / 3, -1 / 3, -1 / 3],
+    # singleton 2; group: 1 - mean(0, 0) = 1, 0 - mean(1, 0) = -0.5 twice.
+    "rloo": [2.0, 1.0, -0.5, -0.5],
+    # singleton baseline 0 -> 2; group b = (1*1 + 2*0 + 3*0) / (1+2+3) = 1/6 -> 5/6, -1/6, -1/6.
+    "opo": [2.0, 5 / 6, -1 / 6, -1 / 6],
+    # centered [2, 2/3, -1/3, -1/3] (L = 1), whitened over the batch: mean (2 + 0) / 4 = 0.5,
+    # deviations 1.5, 1/6, -5/6, -5/6; squares 2.25 + 1/36 + 25/36 + 25/36 = 11/3; unbiased var
+    # (11/3)/3 = 11/9, std 1.105542 -> 1.356801, 0.150756, -0.753778, -0.753778.
+    "reinforce_plus_plus_baseline": [1.356801, 0.150756, -0.753778, -0.753778],
+}
+MIXED_FNS = {
+    "grpo": lambda: compute_grpo_advantages(MIXED_REWARDS, MIXED_IDS),
+    "dr_grpo": lambda: compute_grpo_advantages(MIXED_REWARDS, MIXED_IDS, scale_by_std=False),
+    "rloo": lambda: compute_rloo_advantages(MIXED_REWARDS, MIXED_IDS),
+    "opo": lambda: compute_opo_advantages(MIXED_REWARDS, MIXED_LENGTHS, MIXED_IDS),
+    "reinforce_plus_plus_baseline": lambda: compute_reinforce_plus_plus_baseline_advantages(
+        MIXED_REWARDS, MIXED_IDS, torch.ones(4, 1)
+    )[:, 0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_EXPECTED))
+def test_mixed_batch_singleton_keeps_raw_score(name):
+    torch.testing.assert_close(MIXED_FNS[name](), T(MIXED_EXPECTED[name]), atol=1e-6, rtol=0)
+
+
+def test_dispatcher_mixed_batch_grpo():
+    # the same mixed batch through compute_advantages: each score on the last of its counted tokens
+    # (lengths 1, 2, 1, 3 of L = 3); the scalar advantage is copied onto every counted token.
+    mask = T([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    rewards = outcome_to_token_rewards(MIXED_REWARDS, mask)
+    adv, _ = compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_ids=MIXED_IDS)
+    torch.testing.assert_close(adv, T(MIXED_EXPECTED["grpo"])[:, None] * mask, atol=1e-6, rtol=0)
 
 
 def test_reinforce_plus_plus_golden():
@@ -93,7 +150,7 @@ def test_group_sum():
 
 
 groups = st.lists(
-    st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=1, max_size=6), min_size=1, max_size=6
+    st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=2, max_size=6), min_size=1, max_size=6
 )
 
 

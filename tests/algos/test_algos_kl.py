@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -46,10 +47,39 @@ def test_full_kl_from_distributions():
     torch.testing.assert_close(compute_kl_penalty(p, q, "full"), T([[0.143841]]), atol=1e-6, rtol=0)
 
 
-def test_unknown_kl_kind():
-    with pytest.raises(ValueError, match=r"Unknown KL estimator 'k4'.*low_var_kl"):
-        compute_kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+def test_k3_gradient_is_its_own_and_finite_far_out():
+    # d/dlogp (e^-x - 1 + x) with x = log r = 1 - e^-x: x = +ln2 -> 1 - 0.5 = 0.5; x = -ln2 -> 1 - 2 = -1.
+    # x = -100: the value is clamped to 10, so the gradient is 0 (x is clamped to [-20, 20] before
+    # exp; exp(100) overflows float32 and would give 0 * inf = NaN).
+    logprobs = T([[0.0, -LN2, -100.0]], requires_grad=True)
+    compute_kl_penalty(logprobs, T([[-LN2, 0.0, 0.0]]), "k3").sum().backward()
+    torch.testing.assert_close(logprobs.grad, T([[0.5, -1.0, 0.0]]))
+
+
+# Straight-through "+": value of the named estimator (KL_GOLDEN), gradient of k2 = 0.5 (logp - ref)^2,
+# d/dlogp = logp - ref = log r -> [+ln2, -ln2] = [0.693147, -0.693147], d/dref = -log r.
+@pytest.mark.parametrize("kind", sorted(KL_GOLDEN))
+def test_straight_through_value_of_named_gradient_of_k2(kind):
+    logprobs = T([[0.0, -LN2]], requires_grad=True)
+    ref = T([[-LN2, 0.0]], requires_grad=True)
+    out = compute_kl_penalty(logprobs, ref, f"{kind}+")
+    torch.testing.assert_close(out, T([KL_GOLDEN[kind]]), atol=1e-6, rtol=0)
+    out.sum().backward()
+    torch.testing.assert_close(logprobs.grad, T([[LN2, -LN2]]))
+    torch.testing.assert_close(ref.grad, T([[-LN2, LN2]]))
+
+
+def test_straight_through_names_are_verls():
+    # verl strips one trailing "+" from any sampled-token name; k2+ / mse+ equal k2; no full+.
+    plus = {k for k in KL_ESTIMATORS if k.endswith("+")}
+    assert plus == {"k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"}
     assert "full" in KL_ESTIMATORS
+
+
+@pytest.mark.parametrize("kind", ["k4", "k4+", "full+", "k3++", "+"])
+def test_unknown_kl_kind(kind):
+    with pytest.raises(ValueError, match=rf"Unknown KL estimator '{re.escape(kind)}'.*low_var_kl"):
+        compute_kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), kind)
 
 
 def test_apply_kl_penalty_golden():
@@ -64,6 +94,16 @@ def test_apply_kl_penalty_golden():
     torch.testing.assert_close(rewards, T([[-0.05, 0.85, 0.0], [-0.2, -0.2, -0.2]]))
     assert m["actor/reward_kl_penalty"] == pytest.approx(0.3)
     assert m["actor/reward_kl_penalty_coeff"] == 0.5
+
+
+def test_apply_kl_penalty_straight_through_gives_the_named_value():
+    # in the reward (no_grad) k3+ is k3: log r = +ln2 -> 0.193147, -ln2 -> 0.306853 (KL_GOLDEN);
+    # beta 1, scores 0 -> rewards [-0.193147, -0.306853]; KL metric = row mean = 0.25.
+    logprobs = T([[0.0, -LN2]], requires_grad=True)
+    rewards, m = apply_kl_penalty(torch.zeros(1, 2), logprobs, T([[-LN2, 0.0]]), torch.ones(1, 2), 1.0, "k3+")
+    torch.testing.assert_close(rewards, T([[-0.193147, -0.306853]]), atol=1e-6, rtol=0)
+    assert not rewards.requires_grad
+    assert m["actor/reward_kl_penalty"] == pytest.approx(0.25, abs=1e-6)
 
 
 def test_adaptive_kl_controller_numbers():

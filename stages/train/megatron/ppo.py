@@ -4,8 +4,10 @@ metric keys.
 
 Choices:
 - Micro-batches run through megatron's pipeline schedule (`get_forward_backward_func()`:
-  no pipelining for PP = 1, 1F1B otherwise); the schedule divides each micro-batch loss by the
-  number of micro-batches, as the torch backend's `(loss / n_micro).backward()` does.
+  no pipelining for PP = 1, 1F1B otherwise). The loss of a micro-batch is already its share of the
+  mini-batch's loss (`actor_loss` over the mini-batch's `GlobalBatch`, counted over the DP group, as
+  the torch backend), so it is multiplied by the number of micro-batches to undo the schedule's
+  division by it (verl does the same).
 - Logits are gathered over TP (`parallel_output=False`), so the schedule's loss is the torch backend's
   `stages.train.ppo_loop.actor_loss`, unchanged, on every TP rank of the last stage; the epochs,
   mini-batches and optimizer steps are the same `ppo_loop`.
@@ -30,7 +32,14 @@ from stages.algos.losses import gather_logprobs
 from stages.train.batching import actor_batch, select_rows, tempered
 from stages.train.megatron.convert import tp_partition_dim
 from stages.train.optim import ACTOR_GRAD_ERROR
-from stages.train.ppo_loop import MetricAccumulator, actor_loss, mean_over_workers, ppo_loop
+from stages.train.ppo_loop import (
+    MetricAccumulator,
+    actor_loss,
+    fold_minibatch,
+    mean_over_workers,
+    mini_batch_counts,
+    ppo_loop,
+)
 
 
 def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
@@ -140,7 +149,7 @@ def _prepare_batch(rows: dict, actor_cfg, pad_id: int) -> dict:
 
 
 def _reduce_metrics(acc: MetricAccumulator, dp: int) -> dict[str, float]:
-    """Means over micro-batches; loss metrics come from the last stage; averaged over DP."""
+    """Means over optimizer steps; loss metrics come from the last stage; averaged over DP."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     metrics = acc.means()
@@ -193,10 +202,17 @@ def megatron_ppo_update(
         )
     metrics = MetricAccumulator()
 
-    def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict[str, float]]:
-        loss, m = actor_loss(logits, mb, actor_cfg)  # called on the last pipeline stage only
-        metrics.add_all(m)
-        return loss, m
+    def backward(micro: list[Tensor]) -> None:
+        global_batch = mini_batch_counts(batch["response_mask"][torch.cat(micro)], dp, ps.get_data_parallel_group())
+        micro_metrics = []
+
+        def loss_fn(mb: dict, logits: Tensor) -> tuple[Tensor, dict[str, float]]:
+            loss, m = actor_loss(logits, mb, actor_cfg, global_batch)  # called on the last pipeline stage only
+            micro_metrics.append(m)
+            return loss * len(micro), m
+
+        run_schedule(model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False, temperature=temperature)
+        fold_minibatch(metrics, micro_metrics)
 
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     ppo_loop(
@@ -205,9 +221,7 @@ def megatron_ppo_update(
         micro_batch_size=micro_batch_size,
         epochs=actor_cfg.ppo_epochs,
         seed=seed,
-        backward=lambda micro: run_schedule(
-            model, batch, micro, loss_fn, vocab_size=vocab_size, forward_only=False, temperature=temperature
-        ),
+        backward=backward,
         finish_grads=lambda: finish_grads(model, named, tied=tied, clip=actor_cfg.optim.grad_clip),
         optimizer=optimizer,
         scheduler=scheduler,
