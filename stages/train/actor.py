@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stages.algos.losses import gather_logprobs
+from stages.algos.losses import GlobalBatch, gather_logprobs
 from stages.train.batching import actor_batch, response_logits, select_rows
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, mean_over_workers, ppo_loop
@@ -59,22 +59,24 @@ def ppo_update(
         temperature: logits are divided by it for old/new log-probs and the entropy (verl: the
             rollout's sampling temperature, so the PPO ratio compares the distributions that sampled).
     Returns:
-        metrics averaged over micro-batches (and workers): actor/pg_loss, actor/pg_clipfrac, ...
+        metrics averaged over optimizer steps and workers (loss terms: the mini-batch's loss): actor/pg_loss, ...
     """
     world = _world_size()
     train_model = ddp_model or model
     batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss)
     n = batch["input_ids"].shape[0]
     mb_size = actor_cfg.ppo_micro_batch_size
-    model.eval()
-    batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature)
+    if "old_logprobs" not in batch:  # rows without the old_logprobs stage's (unit tests): recompute them
+        model.eval()
+        batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature)
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // world
     assert n % per_worker_mini == 0, f"{n=} rollouts not divisible into mini-batches of {per_worker_mini}"
     metrics = MetricAccumulator()
 
-    def loss_fn(mb: dict) -> tuple[Tensor, dict[str, float]]:
-        return actor_loss(response_logits(train_model, mb, temperature), mb, actor_cfg)  # logits (n_mb, L, V)
+    def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:
+        logits = response_logits(train_model, mb, temperature)  # (n_mb, L, V)
+        return actor_loss(logits, mb, actor_cfg, global_batch)
 
     no_sync = ddp_model.no_sync if ddp_model is not None else None
     ppo_loop(
@@ -83,7 +85,7 @@ def ppo_update(
         micro_batch_size=mb_size,
         epochs=actor_cfg.ppo_epochs,
         seed=seed,
-        backward=lambda micro: accumulate_grads(batch, micro, loss_fn, metrics, no_sync=no_sync),
+        backward=lambda micro: accumulate_grads(batch, micro, loss_fn, metrics, dp_size=world, no_sync=no_sync),
         finish_grads=lambda: clip_grads(model, actor_cfg.optim.grad_clip),
         optimizer=optimizer,
         scheduler=scheduler,

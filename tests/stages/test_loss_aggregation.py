@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ActorConfig, CriticConfig, PolicyLossConfig
-from stages.algos.losses import LOSS_AGG_MODES, GlobalBatch, aggregate_loss
+from stages.algos.losses import LOSS_AGG_MODES, GlobalBatch, aggregate_loss, entropy_from_logits
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, critic_loss, mean_over_workers
 
 N, L, V, D = 8, 6, 11, 5
@@ -113,8 +113,6 @@ def test_one_micro_batch_is_the_whole_batch_formula() -> None:
     token-mean = sum(H * mask) / sum(mask); seq-mean-token-sum = sum over rows of the row's token sum /
     7 non-empty rows (not 8: row 3 has no token); seq-mean-token-sum-norm = the same / L; seq-mean-token-mean =
     sum of the 7 row means / 7."""
-    from stages.algos.losses import entropy_from_logits  # noqa: PLC0415 - only this test needs it
-
     batch = toy_batch()
     model = Toy(V)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Reward functions against hand-worked cases (verl gsm8k / MATH semantics) and the reward stage."""
+"""Reward functions against hand-worked cases (verl gsm8k / MATH / DAPO semantics), data_source routing
+as verl's default_compute_score, and the reward stage. The MATH answer forms are in test_math_scorer.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pandas as pd
 import pytest
 
 from configs.schema import RewardConfig
-from stages.data.rewards import REWARD_FNS, extract_gsm8k_answer, last_boxed, reward_fn_for, score_gsm8k, score_math
+from stages.data.math_grader import RewardTimeout
+from stages.data.rewards import (
+    REWARD_FNS,
+    extract_gsm8k_answer,
+    last_boxed,
+    reward_fn_for,
+    score_gsm8k,
+    score_math,
+    score_math_dapo,
+)
 from stages.reward import RewardStage, score_rollouts
 
 
@@ -39,11 +49,20 @@ def test_gsm8k_cases(text: str, gt: str, expected: float) -> None:
         ("she has 18.", "18", 0.0),  # '18.' is one match and is not '.'-stripped (verl)
         ("#### 1,234", "1234", 0.0),  # flexible keeps commas (verl)
         ("total -5 . .", "-5", 1.0),  # a lone '.' is skipped
+        ("a, b", ",", 1.0),  # ',' alone matches the number regex and is not skipped (verl)
         ("no digits here", "0", 0.0),
     ],
 )
 def test_gsm8k_flexible_cases(text: str, gt: str, expected: float) -> None:
     assert score_gsm8k(text, gt, method="flexible") == expected
+
+
+def test_gsm8k_flexible_only_dots_returns_a_dot() -> None:
+    # every match is ".": verl's loop over the matches ends on the first one, ".", which is an
+    # extracted (wrong) answer and earns format_score; no match at all is None and earns 0
+    assert extract_gsm8k_answer("the end. Really.", "flexible") == "."
+    assert score_gsm8k("the end. Really.", "5", method="flexible", format_score=0.1) == 0.1
+    assert extract_gsm8k_answer("no digits here", "flexible") is None
 
 
 def test_gsm8k_flexible_reads_last_300_chars_and_gives_format_score() -> None:
@@ -80,7 +99,7 @@ def test_gsm8k_format_score() -> None:
     "text,gt,expected",
     [
         ("thus \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
-        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 0.0),  # no frac-shorthand normalisation
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),  # dfrac -> frac; \frac12 -> \frac{1}{2} (verl's fix_fracs)
         ("\\boxed{1} and finally \\boxed{ 2 }", "2", 1.0),  # the last box, spaces removed
         ("\\boxed{\\left( 3 \\right)}", "(3)", 1.0),
         ("no box, 2", "2", 0.0),
@@ -95,10 +114,76 @@ def test_last_boxed_balances_braces() -> None:
     assert last_boxed("\\boxed{unclosed") is None
 
 
+@pytest.mark.parametrize(
+    "text,gt,expected",
+    [
+        ("so Answer: 42", "42", 1.0),  # Minerva "Answer:" line, normalised both sides
+        ("so Answer: 41", "42", -1.0),  # wrong is -1, not 0
+        ("ANSWER : 1,000", "1000", 1.0),  # case-insensitive; commas dropped from a plain integer
+        ("Answer: x = 5 units", "5", 1.0),  # right of the last '=', 'units' removed, spaces removed
+        ("Answer: $\\frac12$.", "\\frac{1}{2}", 1.0),  # the first $...$ kept (the trailing '.' dropped), \fracab braced
+        ("Answer: 41 then \\boxed{42}", "42", -1.0),  # an Answer: line wins over a box
+        ("so \\boxed{42}", "42", 1.0),  # no Answer: line -> the last \boxed{} of the final 100 chars
+        ("so \\boxed{ 42}", "42", -1.0),  # the box fallback compares raw strings
+        ("\\boxed{42}" + "." * 150, "42", -1.0),  # the box is not in the final 100 characters
+        ("Answer: 42" + "." * 300, "42", -1.0),  # only the final 300 characters are read
+        ("no answer at all", "42", -1.0),
+    ],
+)
+def test_math_dapo_cases(text: str, gt: str, expected: float) -> None:
+    assert score_math_dapo(text, gt) == expected
+    assert score_math_dapo(text, gt, format_score=0.5, score=2.0) == expected  # both ignored: DAPO is +-1
+
+
+@pytest.mark.parametrize(
+    "source,fn",
+    [
+        ("openai/gsm8k", score_gsm8k),
+        ("lighteval/MATH", score_math),
+        ("DigitalLearningGmbH/MATH-lighteval", score_math),
+        ("HuggingFaceH4/MATH-500", score_math),
+        ("math_dapo", score_math_dapo),
+        ("math", score_math_dapo),  # verl routes "math" to its DAPO scorer
+        ("math_dapo_reasoning", score_math_dapo),
+        ("aime", score_math_dapo),  # any name starting with "aime"
+        ("aime2024", score_math_dapo),
+        ("aime_2025_I", score_math_dapo),
+        ("gsm8k", score_gsm8k),  # rlake's alias, unknown to verl
+        ("rlake/arith", score_gsm8k),
+        ("rlake/gsm8k_synth", score_gsm8k),
+    ],
+)
+def test_routing_follows_verl_default_compute_score(source: str, fn) -> None:
+    assert reward_fn_for(source) is fn
+
+
+def test_math_source_scores_as_dapo() -> None:
+    assert reward_fn_for("math")("Answer: 7", "7") == 1.0
+    assert reward_fn_for("math")("\\boxed{8}", "7") == -1.0
+
+
+@pytest.mark.parametrize(
+    "source,module",
+    [
+        ("numina_olympiads", "prime_math"),
+        ("numina_cn_k12", "prime_math"),
+        ("codecontests", "sandbox_fusion or prime_code"),
+        ("taco", "sandbox_fusion or prime_code"),
+        ("hiyouga/geometry3k", "geo3k"),
+        ("searchR1_nq", "search_r1_like_qa_em"),
+        ("searchR1_2wikimultihopqa", "search_r1_like_qa_em"),
+    ],
+)
+def test_verl_sources_rlake_does_not_score_say_so(source: str, module: str) -> None:
+    with pytest.raises(ValueError, match=rf"'{source}' is scored in verl by verl.utils.reward_score.{module}") as err:
+        reward_fn_for(source)
+    assert "rlake does not implement; register a scorer for it in stages.data.rewards.REWARD_FNS" in str(err.value)
+
+
 def test_unknown_data_source_lists_known_ones() -> None:
     with pytest.raises(ValueError, match=r"No reward function for data_source 'foo/bar'. Known: \[") as err:
         reward_fn_for("foo/bar")
-    assert "openai/gsm8k" in str(err.value)
+    assert "openai/gsm8k" in str(err.value) and "any name starting with ['aime']" in str(err.value)
 
 
 def _rollouts(texts: list[str], sources: list[str] | None = None) -> pd.DataFrame:
@@ -134,6 +219,21 @@ def test_raising_reward_fn_names_the_row_or_is_flagged(monkeypatch) -> None:
     assert out["reward_error"].iloc[1] == "RuntimeError: parser crashed"
     assert "non-finite" in out["reward_error"].iloc[2]
     assert len(out) == 3  # no row lost
+
+
+def test_a_timed_out_row_scores_zero_and_is_flagged(monkeypatch) -> None:
+    def slow(text, gt, **kw):
+        if text == "slow":
+            raise RewardTimeout("_verify_pair ran over 30 s; its process was killed")
+        return 1.0
+
+    monkeypatch.setitem(REWARD_FNS, "test/slow", slow)
+    df = _rollouts(["ok", "slow", "ok"], ["test/slow"] * 3)
+    for on_error in ("raise", "flag"):  # never raised: verl's timeout_score is 0
+        out = RewardStage(on_error=on_error)(df)
+        assert out["reward"].tolist() == [1.0, 0.0, 1.0]
+        assert out["reward_error"].iloc[1] == "RewardTimeout: _verify_pair ran over 30 s; its process was killed"
+        assert out["reward_error"].iloc[[0, 2]].isna().all()
 
 
 @pytest.mark.ray
