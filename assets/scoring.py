@@ -74,17 +74,19 @@ def advantages(
     scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
     values, values_version = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
     ref, ref_version = read_if(uses_reference(cfg), context, rollout_store, "ref_logprobs", cfg.run_id, it)
+    old, old_version = read_recorded(context, rollout_store, "old_logprobs", cfg.run_id, it)
     # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
     adaptive = uses_adaptive_kl(cfg) and it > 0
     prev, prev_version = read_if(adaptive, context, rollout_store, "advantages", cfg.run_id, it - 1)
     with timed() as t:
-        adv, dropped = iteration_advantages(cfg, scored, values=values, ref=ref, previous=prev)
+        adv, dropped = iteration_advantages(cfg, scored, values=values, ref=ref, previous=prev, old=old)
     if dropped:
         context.log.info(f"dropped {dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
     read_versions = {
         "scored_rollouts": version,
         "values": values_version,
         "ref_logprobs": ref_version,
+        "old_logprobs": old_version,
         "advantages": prev_version,
     }
     v = write_table(

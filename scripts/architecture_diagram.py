@@ -45,12 +45,21 @@ FLOW = [
         "ref_logprobs",
         DELTA,
     ),
+    (
+        "old_logprobs.py",
+        "old_logprobs",
+        "rollouts, policy_vN",
+        "ActorWorker.compute_log_prob",
+        "",
+        "old_logprobs",
+        DELTA,
+    ),
     ("reward.py", "scored_rollouts", "rollouts", None, "Ray tasks (rule rewards)", "scored_rollouts", DELTA),
     ("values.py", "values (gae)", "rollouts, critic_vN", "CriticWorker.compute_values", "", "values", DELTA),
     (
         "advantage.py",
         "advantages",
-        "scored_rollouts (+ values, ref_logprobs)",
+        "scored_rollouts, old_logprobs (+ values, ref)",
         None,
         "in-process (stages/algos)",
         "advantages",
@@ -168,7 +177,8 @@ def draw_flow(ax) -> None:
         fontsize=14,
         weight="bold",
     )
-    h, step = 0.058, 0.077
+    step = 0.83 / (len(FLOW) - 1)  # the last row ends above the legend
+    h = 0.75 * step
     for i, row in enumerate(FLOW):
         y = 0.90 - i * step - (0.02 if i >= SETUP_ROWS else 0)
         draw_row(ax, y, h, row)

@@ -7,6 +7,11 @@ estimators such as GRPO and RLOO).
 
 ReMax's greedy rows (`is_baseline` in scored_rollouts) are never training samples: every estimator
 drops them, and remax takes each group's baseline reward from its one greedy row (missing: an error).
+
+KL in the reward (algorithm.use_kl_in_reward) compares the actor's recomputed old log-probs (the
+old_logprobs table, verl's old_log_prob) with the reference's, as verl's apply_kl_penalty does. The table
+carries each rollout's old_logprobs (the torch update's PPO ratio denominator) and its engine-vs-trainer gap
+(rollout_probs_diff_max / _mean), so a query finds the rollouts where the engine and the trainer disagree.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
 from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
 from stages.filter_groups import select_training_groups, split_baseline_rows
+from stages.train.batching import ragged_to_padded
 
 
 def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
@@ -68,20 +74,21 @@ def compute_advantage_table(
     *,
     ref: pd.DataFrame | None = None,
     kl_coef: float | None = None,
+    old: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Rows of the advantages table for one iteration's scored rollouts (`values`: the iteration's
-    values table, rollout_id + per-token critic values; needed by adv_estimator='gae'). ReMax's greedy
-    baseline rows are left out of the table (and give remax its per-group baseline)."""
+    """Rows of the advantages table for one iteration's scored rollouts (`values`: its values table, needed by
+    adv_estimator='gae'; `ref`, `old`: its ref_logprobs and old_logprobs tables). ReMax's greedy baseline rows
+    are left out of the table (and give remax its per-group baseline)."""
     scored, baselines = split_baseline_rows(scored)
-    remax = algorithm_cfg.adv_estimator == "remax"
-    baseline_rewards = remax_baseline_rewards(scored, baselines) if remax else None
+    baseline_rewards = remax_baseline_rewards(scored, baselines) if algorithm_cfg.adv_estimator == "remax" else None
     rewards = finite_rewards(scored)
     lengths = torch.tensor(scored["response_length"].to_numpy(dtype=np.int64))
     width = max(1, int(lengths.max()))
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
     token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
+    old_lp, old_cols = old_logprob_columns(scored, old, mask)  # (N, L) or None, the table's columns
     # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
-    token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef)
+    token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef, old_lp)
     adv, returns = compute_advantages(
         algorithm_cfg.adv_estimator,
         token_level_rewards=token_rewards,
@@ -105,6 +112,7 @@ def compute_advantage_table(
             "advantage": adv[:, 0].numpy(),
             "token_advantages": token_adv,
             "adv_estimator": algorithm_cfg.adv_estimator,
+            **old_cols,
             **kl_cols,
             "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
         }
@@ -146,6 +154,42 @@ def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int)
     return out
 
 
+def old_logprob_columns(
+    scored: pd.DataFrame, old: pd.DataFrame | None, mask: torch.Tensor
+) -> tuple[torch.Tensor | None, dict]:
+    """((N, L) the old_logprobs table's log-probs aligned to `scored` by rollout_id, or None without the table;
+    the advantages table's old_logprobs / rollout_probs_diff_max / rollout_probs_diff_mean columns, copied from
+    it: empty lists and NaN without it).
+
+    old: rollout_id, old_logprobs (one float per response token), rollout_probs_diff_max / _mean."""
+    n = len(scored)
+    cols = {
+        "old_logprobs": [[] for _ in range(n)],
+        "rollout_probs_diff_max": np.full(n, np.nan),
+        "rollout_probs_diff_mean": np.full(n, np.nan),
+    }
+    if old is None:
+        return None, cols
+    rows = old.set_index("rollout_id")
+    ids = scored["rollout_id"].tolist()
+    missing = [r for r in ids if r not in rows.index][:10]
+    if missing:
+        raise ValueError(
+            f"rollouts {missing} have no old log-probs; the old_logprobs table is from other rollouts: "
+            "re-materialize old_logprobs of this iteration after its rollouts"
+        )
+    rows = rows.loc[ids]
+    lists = [list(x) for x in rows["old_logprobs"]]
+    lengths = mask.sum(-1).long().tolist()
+    bad = [r for r, x, k in zip(ids, lists, lengths, strict=True) if len(x) != k][:10]
+    if bad:
+        raise ValueError(f"rollouts {bad}: old_logprobs of another length than the response; re-materialize them")
+    cols["old_logprobs"] = lists
+    for column in ("rollout_probs_diff_max", "rollout_probs_diff_mean"):
+        cols[column] = rows[column].to_numpy(dtype=np.float64)
+    return ragged_to_padded(lists, mask.shape[1]), cols
+
+
 def reward_kl_columns(
     scored: pd.DataFrame,
     ref: pd.DataFrame | None,
@@ -153,12 +197,15 @@ def reward_kl_columns(
     mask: torch.Tensor,
     algorithm_cfg,
     kl_coef: float | None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(token-level rewards, the ref_logprobs / kl_coef / reward_kl columns of the advantages table).
 
     With ref (rollout_id + ref_logprobs lists) the rows carry their reference log-probs (for actor.use_kl_loss);
-    with algorithm.use_kl_in_reward also r_t -= kl_coef * KL_t(rollout_logprobs, ref_logprobs) (verl
-    apply_kl_penalty) and reward_kl = the rollout's token-mean KL, which the adaptive controller reads back."""
+    with algorithm.use_kl_in_reward also r_t -= kl_coef * KL_t(old_logprobs, ref_logprobs) (verl
+    apply_kl_penalty, on the actor's recomputed old log-probs (N, L)) and reward_kl = the rollout's token-mean
+    KL, which the adaptive controller reads back. old_logprobs None (no old_logprobs table: unit tests, tables
+    of an older rlake): the engine's rollout_logprobs instead."""
     n = len(scored)
     cols = {"ref_logprobs": [[] for _ in range(n)], "kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan)}
     if ref is None:
@@ -175,15 +222,14 @@ def reward_kl_columns(
             f"rollouts {missing} have no reference log-probs; the ref_logprobs table is from other "
             "rollouts: re-materialize ref_logprobs of this iteration after its rollouts"
         )
-    ref_lp, lp = torch.zeros_like(mask), torch.zeros_like(mask)  # (N, L)
-    for i, (rid, own) in enumerate(zip(scored["rollout_id"].tolist(), scored["rollout_logprobs"], strict=True)):
-        r = list(by_id[rid])
-        assert len(r) == len(own) == int(mask[i].sum()), f"rollout {rid}: {len(r)=} {len(own)=}"
-        ref_lp[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
-        lp[i, : len(own)] = torch.as_tensor(list(own), dtype=torch.float32)
-    cols["ref_logprobs"] = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
+    ref_lists = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
+    lengths = mask.sum(-1).long().tolist()
+    assert [len(r) for r in ref_lists] == lengths, f"{[len(r) for r in ref_lists]=} {lengths=}"
+    cols["ref_logprobs"] = ref_lists
     if not algorithm_cfg.use_kl_in_reward:
         return token_rewards, cols
+    ref_lp = ragged_to_padded(ref_lists, mask.shape[1])  # (N, L)
+    lp = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
     beta = algorithm_cfg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
     rewards, _ = apply_kl_penalty(token_rewards, lp, ref_lp, mask, beta, algorithm_cfg.kl_penalty)
     kld = compute_kl_penalty(lp, ref_lp, algorithm_cfg.kl_penalty) * mask  # (N, L)
@@ -225,13 +271,15 @@ def iteration_advantages(
     values: pd.DataFrame | None = None,
     ref: pd.DataFrame | None = None,
     previous: pd.DataFrame | None = None,
+    old: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, int]:
     """The `advantages` stage: (the iteration's advantages table, rollouts dropped as flagged).
 
     Rollouts the reward stage flagged (reward.on_error='flag') are dropped, DAPO's group filter keeps the
     first train_batch_size groups with reward spread (algorithm.filter_groups), then algorithm.adv_estimator
     runs. values: the iteration's `values` (GAE); ref: its `ref_logprobs` (KL in the reward); previous: the
-    previous iteration's advantages (the adaptive KL controller's state)."""
+    previous iteration's advantages (the adaptive KL controller's state); old: its `old_logprobs` (the actor's
+    log-probs: KL in the reward, the update's ratio denominator, the engine-vs-trainer gap columns)."""
     dropped = 0
     if cfg.reward.on_error == "flag":
         scored, dropped = drop_flagged_rollouts(scored)
@@ -239,4 +287,4 @@ def iteration_advantages(
         scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
     )
     kl_coef = kl_coef_for_iteration(cfg.algorithm, previous) if cfg.algorithm.use_kl_in_reward else None
-    return compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref, kl_coef=kl_coef), dropped
+    return compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref, kl_coef=kl_coef, old=old), dropped

@@ -8,6 +8,7 @@ upstream table (assets/common.py). `module` names the stage module that computes
 
 SETUP runs once per run (rlake_setup_job); ITERATION once per iteration partition (rl_iteration_job),
 a row only in runs where its `when` holds: the critic's stages with GAE, the reference log-probs with KL.
+The actor's recomputed log-probs of the rollouts (`old_logprobs`, verl's compute_log_prob) are in every run.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ ITERATION: tuple[Stage, ...] = (
           table=True,  timing="timing_s/rollouts"),
     Stage("ref_logprobs",      "stages.ref_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/ref_logprobs",    when=uses_reference),
+    # the policy that sampled (version == iteration) is found like the rollouts' (ModelStore.require)
+    Stage("old_logprobs",      "stages.old_logprobs",  ("rollouts",),
+          table=True,  timing="timing_s/old_logprobs"),
     Stage("scored_rollouts",   "stages.reward",        ("rollouts",),
           table=True,  timing="timing_s/scored_rollouts"),
     Stage("values",            "stages.values",        ("scored_rollouts",),  # reads the rollouts table
           table=True,                                     when=uses_critic),
-    Stage("advantages",        "stages.advantage",     ("scored_rollouts", "values", "ref_logprobs"),
+    Stage("advantages",        "stages.advantage",     ("scored_rollouts", "values", "ref_logprobs",
+                                                        "old_logprobs"),
           table=True,  timing="timing_s/advantages"),
     Stage("policy_checkpoint", "stages.update",        ("advantages",),
           table=False, timing="timing_s/update"),

@@ -11,6 +11,7 @@ import pandas as pd
 from configs.schema import RunConfig
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
+from stages.old_logprobs import probs_gap
 from stages.train.critic import critic_metrics
 from stages.workers.actor_worker import METRICS_FILE
 
@@ -45,7 +46,8 @@ def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response
 
 def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
     """KL-in-reward (actor/reward_kl_penalty[_coeff], verl), DAPO dynamic sampling (train/num_gen_batches, verl;
-    generated vs kept groups) and overlong shaping metrics, from the columns the stages stored."""
+    generated vs kept groups), overlong shaping and rollout-vs-actor probability gap (training/rollout_probs_*,
+    verl) metrics, from the columns the stages stored."""
     m: dict[str, float] = {}
     if "kl_coef" in advantages and np.isfinite(advantages["kl_coef"].to_numpy(dtype=np.float64)).all():
         m["actor/reward_kl_penalty"] = float(advantages["reward_kl"].mean())
@@ -58,7 +60,21 @@ def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[st
         penalty = scored["overlong_penalty"].to_numpy(dtype=np.float64)
         m["reward/overlong_penalty/mean"] = float(penalty.mean())
         m["reward/overlong_penalized_frac"] = float((penalty < 0).mean())
-    return m
+    return m | probs_diff_metrics(scored, advantages)
+
+
+def probs_diff_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
+    """verl's training/rollout_probs_diff_{valid,max,mean,std} and training/rollout_actor_probs_pearson_corr
+    (stages.algos.probs_diff) over the training rollouts' response tokens: the actor's old_logprobs stored in
+    the advantages table vs the engine's rollout_logprobs. Empty when the table holds no old log-probs."""
+    if "old_logprobs" not in advantages or "rollout_logprobs" not in scored:
+        return {}
+    old = [[] if x is None else list(x) for x in advantages["old_logprobs"]]
+    if [len(x) for x in old] != advantages["response_token_ids"].map(len).tolist():
+        return {}  # an advantages table without them (written by an older rlake)
+    engine = scored.set_index("rollout_id").loc[advantages["rollout_id"], "rollout_logprobs"].tolist()
+    metrics, _, _ = probs_gap(old, engine)
+    return metrics
 
 
 def validation_metrics(scored: pd.DataFrame, tag: str) -> dict[str, float]:

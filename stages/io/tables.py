@@ -50,6 +50,13 @@ REWARD_FIELDS = [
     pa.field("overlong_penalty", pa.float64()),
 ]
 
+OLD_LOGPROB_FIELDS = [
+    pa.field("old_logprobs", pa.list_(pa.float32())),
+    # max and mean over the response of |exp(old_logprobs) - exp(rollout_logprobs)| (NaN: empty response)
+    pa.field("rollout_probs_diff_max", pa.float64()),
+    pa.field("rollout_probs_diff_mean", pa.float64()),
+]
+
 SCHEMAS: dict[str, pa.Schema] = {
     # prompts: iteration -1 holds the ingested dataset of a run
     "prompts": pa.schema(_KEYS + PROMPT_FIELDS),
@@ -80,6 +87,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("advantage", pa.float32()),
             pa.field("token_advantages", pa.list_(pa.float32())),
             pa.field("adv_estimator", pa.string()),
+            # the old_logprobs stage's: the PPO ratio's denominator and the KL-in-reward's policy log-probs,
+            # and the rollout's engine-vs-trainer probability gap (its max and mean over the response)
+            *OLD_LOGPROB_FIELDS,
             # reference log-probs (empty lists unless KL is used), the KL-in-reward beta and per-rollout KL
             pa.field("ref_logprobs", pa.list_(pa.float32())),
             pa.field("kl_coef", pa.float64()),
@@ -95,6 +105,16 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("rollout_id", pa.int64(), nullable=False),
             pa.field("critic_version", pa.int64()),
             pa.field("values", pa.list_(pa.float32())),
+        ]
+    ),
+    # per-token log-probs of each rollout's response under the policy that sampled it (version == iteration),
+    # recomputed by the trainer, and their gap to the engine's rollout_logprobs
+    "old_logprobs": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64()),
+            *OLD_LOGPROB_FIELDS,
         ]
     ),
     # per-token log-probs of each rollout's response under the reference policy (version 0)
@@ -121,6 +141,9 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "gen_round": 0,
     "is_baseline": False,
     "ref_logprobs": [],
+    "old_logprobs": [],
+    "rollout_probs_diff_max": None,
+    "rollout_probs_diff_mean": None,
     "kl_coef": None,
     "reward_kl": None,
     "returns": [],

@@ -3,8 +3,11 @@ gradient accumulation (stages.train.ppo_loop), data parallel over a torch.distri
 when one exists.
 
 Runs without Ray (unit tests call `ppo_update` directly); the policy update runs it on every rank of the
-run's persistent gloo worker group. Old log-probs are recomputed by the policy before the first optimizer
-step (verl's `compute_log_prob`), so the PPO ratio is exactly 1 at the first micro-batch.
+run's persistent gloo worker group. The PPO ratio's old log-probs are the old_logprobs stage's (verl's
+`compute_log_prob`: the same resident policy, before the update, stages/old_logprobs.py), carried in the
+rows; rows without them (unit tests, tables from before that stage) get them recomputed here, before the
+first optimizer step. Either way the ratio is 1 at the first micro-batch up to float rounding of the
+padding (exactly 1 when recomputed here).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def ppo_update(
 
     Args:
         rows: prompt_token_ids (list of N lists), response_token_ids (N lists), advantages (N,)
-            float tensor, optional ref_logprobs (N lists). N is this worker's rollouts; they are
+            float tensor, optional ref_logprobs and old_logprobs (N lists each). N is this worker's rollouts; they are
             split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
         ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module).
         temperature: logits are divided by it for old/new log-probs and the entropy (verl: the

@@ -93,13 +93,17 @@ def token_advantages(rows: dict, response_mask: Tensor) -> Tensor:
 
 
 def actor_batch(rows: dict, pad_id: int, *, use_kl_loss: bool) -> dict[str, Tensor]:
-    """The padded batch of a policy update (both backends): pad_rollouts' tensors plus advantages (N, L) and,
-    for actor.use_kl_loss, the reference policy's ref_logprobs (N, L).
+    """The padded batch of a policy update (both backends): pad_rollouts' tensors plus advantages (N, L),
+    for actor.use_kl_loss the reference policy's ref_logprobs (N, L), and when the rows carry them the
+    old_logprobs stage's old_logprobs (N, L), the PPO ratio's denominator.
 
     rows: prompt_token_ids, response_token_ids (N ragged lists each), advantages (N,) or token_advantages
-    (N ragged lists), ref_logprobs (N ragged lists, needed by the KL loss)."""
+    (N ragged lists), ref_logprobs (N ragged lists, needed by the KL loss), optional old_logprobs (N ragged
+    lists; without them the torch update recomputes them)."""
     batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
     batch["advantages"] = token_advantages(rows, batch["response_mask"])  # (N, L)
+    if rows.get("old_logprobs") is not None:
+        batch["old_logprobs"] = ragged_to_padded(rows["old_logprobs"], batch["responses"].shape[1])  # (N, L)
     if use_kl_loss:
         if "ref_logprobs" not in rows:
             raise ValueError(

@@ -11,10 +11,19 @@ request.out_dir, atomically.
   the load when its input checkpoint is that one (same directory, same checkpoint id) and loads from
   disk otherwise (a re-materialized or replayed iteration, a resumed run). Either way the update is the
   same function of the checkpoint on disk.
+- `compute_log_prob` (verl's name; the old_logprobs stage, stages/old_logprobs.py): before the update,
+  the ranks recompute the log-probs of the iteration's responses under policy version `iteration`. The
+  torch backend computes them with the resident policy, or loads it and keeps it resident, so the update
+  that follows skips its load (version 0, written without a checkpoint id, is identified by its weight
+  files' mtimes, as the rollout engines do). The update then reads them from the advantages table
+  (`read_rows`) as the PPO ratio's denominator instead of recomputing them.
 - megatron (actor.strategy='megatron'): the ranks form a TP x PP x DP grid (TP fastest, then DP, then
   PP); every rank loads the HF checkpoint, keeps its shard, runs `megatron_ppo_update`, and rank 0
   gathers DP replica 0's shards back into an HF checkpoint with the optimizer state in the torch
-  backend's format, so the next iteration may use either backend. Nothing stays resident.
+  backend's format, so the next iteration may use either backend. Nothing stays resident:
+  `compute_log_prob` loads the HF checkpoint and computes with torch, and the Megatron update still
+  recomputes its own old log-probs (stages.train.megatron.ppo), so its ratio denominator may differ from
+  the table's by float rounding.
 """
 
 from __future__ import annotations
@@ -26,16 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from configs.schema import OptimConfig
+from configs.schema import ActorConfig, OptimConfig
 from stages import seeds
-from stages.io.checkpoints import CHECKPOINT_ID, atomic_dir, checkpoint_id, save_optimizer_state
+from stages.io.checkpoints import CHECKPOINT_ID, atomic_dir, checkpoint_identity, save_optimizer_state
 from stages.io.store import read_partition
 from stages.models.policy import load_policy, save_policy
-from stages.train.actor import ppo_update
+from stages.train.actor import compute_logprobs, ppo_update
+from stages.train.batching import pad_rollouts
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
 from stages.train.megatron.cpu_patches import apply_cpu_patches
 from stages.train.megatron.model import build_gpt_model, hf_arch
@@ -73,7 +84,28 @@ def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
     for column in ("token_advantages", "ref_logprobs"):
         if column in part.columns:
             rows[column] = [list(x) for x in part[column]]
+    old = stored_old_logprobs(part)
+    if old is not None:
+        rows["old_logprobs"] = old
     return rows
+
+
+def stored_old_logprobs(part: pd.DataFrame) -> list[list[float]] | None:
+    """The rows' old_logprobs (the old_logprobs stage's, one per response token), or None when the table has
+    none (written by an older rlake or by a test: every list empty or null), so the update recomputes them."""
+    if "old_logprobs" not in part.columns:
+        return None
+    old = [[] if x is None else list(x) for x in part["old_logprobs"]]
+    lengths = [len(r) for r in part["response_token_ids"]]
+    if not any(old):
+        return None
+    bad = [int(i) for i, o, n in zip(part["rollout_id"], old, lengths, strict=True) if len(o) != n][:10]
+    if bad:
+        raise ValueError(
+            f"rollouts {bad} of the advantages table have old_logprobs of another length than their response: "
+            "re-materialize old_logprobs and advantages of this iteration"
+        )
+    return old
 
 
 def write_checkpoint(
@@ -93,6 +125,7 @@ class ResidentPolicy:
 
     ckpt_dir: str
     ckpt_id: str | None
+    """resident_id of the checkpoint."""
     optim: OptimConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -100,8 +133,8 @@ class ResidentPolicy:
     tokenizer: Any
 
     def holds(self, policy_dir: str, optim: OptimConfig) -> bool:
-        """Whether this is the checkpoint at policy_dir (written by this rank, not rewritten since)."""
-        want = checkpoint_id(policy_dir)
+        """Whether this is the checkpoint at policy_dir (loaded or written by this rank, not rewritten since)."""
+        want = resident_id(policy_dir)
         return (
             self.ckpt_dir == str(Path(policy_dir).resolve())
             and want is not None
@@ -110,12 +143,39 @@ class ResidentPolicy:
         )
 
 
+def resident_id(policy_dir: str | Path) -> str | None:
+    """What identifies a checkpoint a rank holds: its checkpoint id, or for one written without (version 0)
+    its weight files' names and mtimes (stages.io.checkpoints.checkpoint_identity); None: no way to tell."""
+    return checkpoint_identity(policy_dir)[1] or None
+
+
 def load_resident(policy_dir: str, optim: OptimConfig) -> ResidentPolicy:
     """The policy at policy_dir with a fresh optimizer holding the optimizer state stored beside it."""
+    ident = resident_id(policy_dir)  # before the load: a checkpoint rewritten meanwhile is not taken for this one
     model, tok = load_policy(policy_dir)
     opt, sched = make_optimizer(model, optim)
     restore_optimizer(opt, sched, policy_dir)
-    return ResidentPolicy(str(Path(policy_dir).resolve()), checkpoint_id(policy_dir), optim, model, opt, sched, tok)
+    return ResidentPolicy(str(Path(policy_dir).resolve()), ident, optim, model, opt, sched, tok)
+
+
+def old_logprob_rows(model, pad_id: int, rows: pd.DataFrame, micro_batch_size: int, temperature: float) -> pd.DataFrame:
+    """Rows (rollout_id, policy_version, old_logprobs) of `rows`' rollouts in their order: the log-probs of each
+    response token under `model` at `temperature`, padded as the update pads (pad_rollouts) and micro-batched
+    by the update's compute_logprobs."""
+    out: list[list[float]] = []
+    if len(rows):
+        responses = [list(map(int, r)) for r in rows["response_token_ids"]]
+        batch = pad_rollouts([list(map(int, p)) for p in rows["prompt_token_ids"]], responses, pad_id)
+        model.eval()
+        logprobs = compute_logprobs(model, batch, micro_batch_size, temperature)  # (n, L)
+        out = [logprobs[i, : len(r)].tolist() for i, r in enumerate(responses)]
+    return pd.DataFrame(
+        {
+            "rollout_id": rows["rollout_id"].to_numpy(),
+            "policy_version": rows["policy_version"].to_numpy(),
+            "old_logprobs": pd.Series(out, dtype=object),
+        }
+    )
 
 
 class ActorWorker(Worker):
@@ -125,6 +185,27 @@ class ActorWorker(Worker):
         super().__init__(rank, world, threads, shape)
         self.strategy = strategy
         self.resident: ResidentPolicy | None = None
+
+    def compute_log_prob(
+        self, policy_dir: str, rows: pd.DataFrame, actor: ActorConfig, temperature: float
+    ) -> pd.DataFrame:
+        """verl's `compute_log_prob`: old_logprob_rows of this rank's rollouts under the checkpoint policy_dir,
+        in micro-batches of actor.ppo_micro_batch_size. torch: the resident policy when it is that checkpoint,
+        else loaded and kept resident for the update (whose optimizer config is actor.optim); megatron: the
+        HF checkpoint loaded for this call only."""
+        if actor.strategy != self.strategy:
+            raise ValueError(
+                f"an actor.strategy='{actor.strategy}' compute_log_prob reached a '{self.strategy}' "
+                "ActorWorker; build the actor group with strategy=actor.strategy"
+            )
+        if self.strategy == "megatron":
+            model, tok = load_policy(policy_dir)
+        else:
+            if self.resident is None or not self.resident.holds(policy_dir, actor.optim):
+                self.resident = None  # frees a stale policy before the load
+                self.resident = load_resident(policy_dir, actor.optim)
+            model, tok = self.resident.model, self.resident.tokenizer
+        return old_logprob_rows(model, tok.pad_token_id, rows, actor.ppo_micro_batch_size, temperature)
 
     def update(self, req: UpdateRequest) -> dict[str, float]:
         """One PPO update of req.policy_dir on this rank's rows; rank 0 writes req.out_dir. Returns this

@@ -13,7 +13,7 @@ from stages.io.tables import SCHEMAS
 from stages.models.policy import load_policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-TABLES = ("prompts", "prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics")
+TABLES = ("prompts", "prompt_batches", "rollouts", "old_logprobs", "scored_rollouts", "advantages", "iteration_metrics")
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,11 @@ def test_every_table_has_schema_rows_and_lineage(trained) -> None:
         rollouts = store.read_partition(str(out / "tables" / "rollouts"), "e2e-run", it)
         assert len(rollouts) == 8 * 4 and set(rollouts["policy_version"]) == {it}
         (c,) = store.commit_lineage(str(out / "tables" / "advantages"), run_id="e2e-run", iteration=it)
-        scored_version = store.commit_lineage(str(out / "tables" / "scored_rollouts"), run_id="e2e-run", iteration=it)[
-            0
-        ]["version"]
-        assert c["upstream"] == {"scored_rollouts": scored_version} and c["policy_version"] == str(it)
+        read = {
+            name: store.commit_lineage(str(out / "tables" / name), run_id="e2e-run", iteration=it)[0]["version"]
+            for name in ("scored_rollouts", "old_logprobs")
+        }
+        assert c["upstream"] == read and c["policy_version"] == str(it)
 
 
 def test_advantages_are_group_relative(trained) -> None:

@@ -40,6 +40,7 @@ def test_definitions_load_and_jobs_resolve(defs) -> None:
         "prompt_batches",
         "rollouts",
         "ref_logprobs",
+        "old_logprobs",
         "scored_rollouts",
         "values",
         "advantages",
@@ -57,7 +58,8 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
     }
     assert up["rollouts"] == {"prompt_batches"}
     assert up["scored_rollouts"] == {"rollouts"}
-    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs"}
+    assert up["old_logprobs"] == {"rollouts"}
+    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "old_logprobs"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}
     assert up["iteration_metrics"] == {"policy_checkpoint", "critic_checkpoint"}
@@ -81,6 +83,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "timing_s/prompt_batch",
         "timing_s/rollouts",
         "timing_s/ref_logprobs",
+        "timing_s/old_logprobs",
         "timing_s/scored_rollouts",
         "timing_s/advantages",
         "timing_s/update",
@@ -91,6 +94,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "prompt_batches",
         "rollouts",
         "ref_logprobs",
+        "old_logprobs",
         "scored_rollouts",
         "values",
         "advantages",
@@ -99,6 +103,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
     assert iteration_assets() == [
         "prompt_batches",
         "rollouts",
+        "old_logprobs",
         "scored_rollouts",
         "advantages",
         "policy_checkpoint",

@@ -1,0 +1,98 @@
+"""The old_logprobs stage: per-token log-probs of every rollout's response under the policy that sampled it
+(policy version == iteration), recomputed by the trainer before the advantages (verl's `compute_log_prob`,
+whose output is `old_log_prob`).
+
+Flow: assets/old_logprobs.py `old_logprobs` -> `policy_old_logprobs(cfg, rollouts, policy_dir)` ->
+`compute_old_logprobs`, which splits the rollouts into contiguous shards over the run's "actor" worker group
+(the update's own group, stages.update.actor_workers: no extra processes) and calls
+`ActorWorker.compute_log_prob` (stages/workers/actor_worker.py) on each rank. The torch backend keeps the
+policy it loaded resident, so the update that follows skips its load. Log-probs are taken at the rollout's
+sampling temperature with the update's padding and micro-batching, so at iteration 0 they equal the rollout
+engine's up to its numerics (a test checks 1e-4 on the tiny model).
+
+Their uses, as verl's: the advantage stage's KL in the reward (algorithm.use_kl_in_reward) and the torch
+update's PPO ratio denominator, both through the advantages table. The engine-vs-trainer gap
+(stages.algos.probs_diff) is stored per rollout (rollout_probs_diff_max, rollout_probs_diff_mean) and
+summarized as the iteration's training/rollout_probs_diff_* metrics (stages/metrics.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from configs.schema import ActorConfig, RunConfig
+from stages.algos.probs_diff import rollout_probs_diff
+from stages.train.batching import logprob_temperature, ragged_to_padded
+from stages.update import actor_workers
+from stages.workers.actor_worker import ActorWorker
+from stages.workers.group import call_with_retry
+from stages.workers.tasks import split_frame
+
+WORKER_COLUMNS = ["rollout_id", "policy_version", "prompt_token_ids", "response_token_ids"]
+"""What the workers get of the rollouts (not the texts)."""
+
+
+def policy_old_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, policy_dir: str | Path) -> pd.DataFrame:
+    """The old_logprobs table rows of an iteration's rollouts under policy_dir (policy version == iteration),
+    on the actor.num_workers ranks of the "actor" group."""
+    return compute_old_logprobs(
+        rollouts,
+        policy_dir=str(policy_dir),
+        actor=cfg.actor,
+        temperature=logprob_temperature(cfg.rollout.temperature),
+    )
+
+
+def compute_old_logprobs(
+    rollouts: pd.DataFrame, *, policy_dir: str, actor: ActorConfig, temperature: float = 1.0, use_ray: bool = True
+) -> pd.DataFrame:
+    """Rows of the old_logprobs table (rollout_id, policy_version, old_logprobs, rollout_probs_diff_max,
+    rollout_probs_diff_mean), sorted by rollout_id; one list per rollout, as long as its response.
+
+    Rank i of the actor group gets the i-th contiguous shard (an empty one when there are fewer rollouts than
+    ranks, so every rank holds the policy for the update); use_ray=False computes in this process (an
+    ActorWorker at this process's thread count). A killed actor is replaced and the call retried once."""
+    if not len(rollouts):
+        raise ValueError("compute_old_logprobs got no rollouts: the rollouts partition is empty")
+    rows = rollouts[WORKER_COLUMNS]
+    if use_ray:
+        parts = call_with_retry(
+            lambda: actor_workers(actor),
+            lambda g: g.call_each(
+                ActorWorker.compute_log_prob,
+                [(policy_dir, shard, actor, temperature) for shard in rank_shards(rows, g.num_workers)],
+            ),
+        )
+        out = pd.concat(parts, ignore_index=True)
+    else:
+        worker = ActorWorker(0, 1, torch.get_num_threads(), strategy=actor.strategy)
+        out = worker.compute_log_prob(policy_dir, rows, actor, temperature)
+    out = out.sort_values("rollout_id").reset_index(drop=True)
+    engine = rollouts.set_index("rollout_id").loc[out["rollout_id"], "rollout_logprobs"].tolist()
+    if not (out["old_logprobs"].map(len).to_numpy() == np.asarray([len(e) for e in engine])).all():
+        raise AssertionError("old log-probs and response lengths differ: an actor rank returned rows of other rollouts")
+    _, row_max, row_mean = probs_gap(out["old_logprobs"].tolist(), engine)
+    return out.assign(rollout_probs_diff_max=row_max.numpy(), rollout_probs_diff_mean=row_mean.numpy())
+
+
+def rank_shards(rows: pd.DataFrame, ranks: int) -> list[pd.DataFrame]:
+    """`ranks` contiguous shards of rows (split_frame), the last ones empty when rows are fewer than ranks."""
+    shards = split_frame(rows, ranks)
+    return shards + [rows.iloc[0:0]] * (ranks - len(shards))
+
+
+def probs_gap(
+    old_logprobs: Sequence[Sequence[float]], rollout_logprobs: Sequence[Sequence[float]]
+) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+    """stages.algos.probs_diff.rollout_probs_diff of N rollouts' ragged log-prob lists (equal lengths per
+    rollout; every listed token counted): (verl's five metrics, per-rollout max (N,), per-rollout mean (N,))."""
+    lengths = torch.tensor([len(x) for x in rollout_logprobs], dtype=torch.long)  # (N,)
+    width = max(1, int(lengths.max())) if len(lengths) else 1
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
+    old = ragged_to_padded(old_logprobs, width)  # (N, L)
+    return rollout_probs_diff(old, ragged_to_padded(rollout_logprobs, width), mask)
