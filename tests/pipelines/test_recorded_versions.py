@@ -106,7 +106,8 @@ def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -
     # recompute advantages downstream: it reads the re-scored version the re-materialization recorded
     _materialize(out, instance, "advantages", ["reward.score=2.0", "reward.format_score=0.5"])
     adv_commit = store.commit_lineage(_uri(out, "advantages"), run_id=RUN, iteration=0)[0]
-    assert adv_commit["upstream"] == {"scored_rollouts": before + 1}
+    old_logprobs_version = store.commit_lineage(_uri(out, "old_logprobs"), run_id=RUN, iteration=0)[0]["version"]
+    assert adv_commit["upstream"] == {"scored_rollouts": before + 1, "old_logprobs": old_logprobs_version}
     adv = store.read_partition(_uri(out, "advantages"), RUN, 0)
     assert set(adv["reward"]) <= {0.0, 0.5, 2.0}
 
