@@ -1,4 +1,4 @@
-"""The `rlake` command line: train, ui, lineage, sql, replay, compare, export, plot, config.
+"""The `rlake` command line: train, ui, lineage, sql, replay, rescore, compare, export, plot, config.
 
 Commands import what they need when they run (`# noqa: PLC0415 - CLI start-up`): `rlake --help` and a
 config error stay fast, and the quiet-logging environment (pipelines/logs.py) is set before torch,
@@ -127,6 +127,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_rescore(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, [*args.override, f"trainer.run_id={args.run_id}"])
+    _quiet_env()
+    from pipelines.rescore import rescore  # noqa: PLC0415 - CLI start-up
+    from stages.run.preflight import preflight  # noqa: PLC0415 - CLI start-up
+
+    preflight(cfg)  # a bad reward (or data) fails here, before Ray or Dagster
+    try:
+        report = rescore(cfg, args.iteration, advantages=args.advantages)
+    except LookupError as exc:
+        print(f"rlake rescore: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     _quiet_env()
     from stages.run.export import export_policy, resolve_checkpoint  # noqa: PLC0415 - CLI start-up
@@ -188,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_run_commands(sub)
+    _add_rescore_command(sub)
     _add_inspect_commands(sub)
     return p
 
@@ -238,6 +255,25 @@ def _add_run_commands(sub) -> None:
     )
     cf.add_argument("override", nargs="*", help="key.sub=value config overrides")
     cf.set_defaults(fn=cmd_config)
+
+
+def _add_rescore_command(sub) -> None:
+    """rescore: score a past iteration again with another reward."""
+    rs = sub.add_parser(
+        "rescore",
+        help="score a past iteration again with another reward (new table versions of that partition only)",
+        description="Re-materializes scored_rollouts of one iteration of a run (with --advantages, its "
+        "advantages too) from the rollouts version the iteration recorded, with the run's config plus the "
+        "reward overrides given (e.g. reward.score=2.0, reward.custom_reward_function.path=my_reward.py). "
+        "Nothing is generated or trained again; the previous table versions stay readable, and the "
+        "printed `rlake sql` command lists the rows whose reward changed.",
+    )
+    rs.add_argument("--run-id", required=True)
+    rs.add_argument("--iteration", type=int, required=True)
+    rs.add_argument("--config", default=DEFAULT_CONFIG, help="the run's config (same overrides as its training)")
+    rs.add_argument("--advantages", action="store_true", help="also recompute that iteration's advantages")
+    rs.add_argument("override", nargs="*", help="key.sub=value: the run's overrides, then the new reward's")
+    rs.set_defaults(fn=cmd_rescore)
 
 
 def _add_inspect_commands(sub) -> None:

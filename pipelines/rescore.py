@@ -1,0 +1,123 @@
+"""`rlake rescore`: score one past iteration again with another reward, as a Dagster re-materialization.
+
+Re-materializes the `scored_rollouts` partition of (run, iteration), and with `advantages=True` its
+`advantages` partition too, in the run's own Dagster instance (<output_dir>/dagster_home), with the run's
+config plus the caller's reward overrides (`reward.score=2`, `reward.custom_reward_function.path=...`).
+The rollouts are the version the iteration recorded (assets.common.read_recorded), nothing is generated
+again, and only that partition gets new table versions; the older versions stay readable by time travel,
+so the report ends with the SQL that compares the two. The same as re-materializing the partition from
+the Dagster UI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+
+from configs.schema import RunConfig
+from pipelines.definitions import ASSETS
+from pipelines.resources import build_resources
+from pipelines.runner import QUIET, dagster_home
+from stages.io.store import commit_lineage, read_partition, table_exists
+
+
+@dataclass(frozen=True)
+class RescoreReport:
+    """What a re-score changed: table versions before/after, rows whose reward changed, reward functions."""
+
+    run_id: str
+    iteration: int
+    before_version: int
+    after_version: int
+    rows: int
+    changed: int
+    reward_mean_before: float
+    reward_mean_after: float
+    rewards_before: list[str]
+    rewards_after: list[str]
+    advantages_version: int | None
+
+    def table(self) -> str:
+        """The report as lines for the terminal, ending with the SQL that lists the changed rows."""
+        lines = [
+            f"run {self.run_id} iteration {self.iteration}: scored_rollouts v{self.before_version} -> "
+            f"v{self.after_version} ({self.changed} of {self.rows} rewards changed)",
+            f"  reward mean {self.reward_mean_before:.4f} -> {self.reward_mean_after:.4f}",
+            f"  scored by   {', '.join(self.rewards_before)} -> {', '.join(self.rewards_after)}",
+        ]
+        if self.advantages_version is not None:
+            lines.append(f"  advantages  -> v{self.advantages_version}")
+        lines.append(f"the changed rows: {self.sql()}")
+        return "\n".join(lines)
+
+    def sql(self) -> str:
+        """`rlake sql` command comparing the partition's rewards at the two versions."""
+        return (
+            f"rlake sql --version old:scored_rollouts={self.before_version} "
+            '"SELECT s.rollout_id, b.reward AS reward_before, s.reward AS reward_after, s.reward_fn '
+            "FROM scored_rollouts s JOIN old b USING (run_id, iteration, rollout_id) "
+            f"WHERE s.run_id = '{self.run_id}' AND s.iteration = {self.iteration} "
+            "AND s.reward IS DISTINCT FROM b.reward "
+            'ORDER BY s.rollout_id"'
+        )
+
+
+def _reward_names(df: pd.DataFrame) -> list[str]:
+    column = "reward_version" if "reward_version" in df.columns else "reward_fn"
+    return sorted(str(x) for x in df[column].dropna().unique())
+
+
+def scored_partition_version(tables: Path, run_id: str, iteration: int) -> int:
+    """The newest scored_rollouts version written for (run_id, iteration), or a what/why/fix LookupError."""
+    uri = str(tables / "scored_rollouts")
+    commits = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
+    if not commits:
+        runs = sorted({c.get("run_id") for c in commit_lineage(uri)}) if table_exists(uri) else []
+        raise LookupError(
+            f"no scored_rollouts for run '{run_id}' iteration {iteration} under {tables}: rescore re-scores an "
+            f"iteration a run already scored (runs there: {runs or 'none'}). Check --run-id and --iteration, and "
+            "--config / trainer.output_dir=... to point at the run's output directory."
+        )
+    return int(commits[0]["version"])
+
+
+def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> RescoreReport:
+    """Re-materialize scored_rollouts (and advantages) of run cfg.run_id's `iteration` with cfg's reward."""
+    tables = Path(cfg.trainer.output_dir).resolve() / "tables"
+    before = scored_partition_version(tables, cfg.run_id, iteration)
+    old = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=before)
+    dagster_home(cfg.trainer.output_dir)
+    instance = dg.DagsterInstance.get()
+    instance.add_dynamic_partitions("iteration", [str(iteration)])
+    selection = ["scored_rollouts", "advantages"] if advantages else ["scored_rollouts"]
+    dg.materialize(
+        ASSETS,
+        selection=selection,
+        partition_key=str(iteration),
+        instance=instance,
+        resources=build_resources(cfg),
+        run_config=QUIET,
+        tags={"rlake/run_id": cfg.run_id, "rlake/rescore": "true"},
+    )
+    after = scored_partition_version(tables, cfg.run_id, iteration)
+    new = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=after)
+    merged = old[["rollout_id", "reward"]].merge(new[["rollout_id", "reward"]], on="rollout_id", suffixes=("_b", "_a"))
+    same = np.isclose(merged["reward_b"], merged["reward_a"], rtol=0, atol=0, equal_nan=True)
+    adv = commit_lineage(str(tables / "advantages"), run_id=cfg.run_id, iteration=iteration) if advantages else []
+    return RescoreReport(
+        run_id=cfg.run_id,
+        iteration=iteration,
+        before_version=before,
+        after_version=after,
+        rows=len(new),
+        changed=int((~same).sum()),
+        reward_mean_before=float(np.nanmean(old["reward"])),
+        reward_mean_after=float(np.nanmean(new["reward"])),
+        rewards_before=_reward_names(old),
+        rewards_after=_reward_names(new),
+        advantages_version=int(adv[0]["version"]) if adv else None,
+    )
