@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+BACKEND_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""tokenizer_class of a checkpoint whose tokenizer.json is the whole tokenizer (rlake's char tokenizer)."""
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
@@ -23,11 +27,24 @@ def load_tokenizer(model_dir: str | Path):
             f"'{path}' is not a HF checkpoint directory (no config.json); set model.path to a "
             "directory written by save_pretrained, or to 'tiny'."
         )
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = read_tokenizer(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def read_tokenizer(path: Path):
+    """AutoTokenizer's tokenizer of a local checkpoint, except for a tokenizer saved as a plain tokenizers
+    backend (tokenizer_class TokenizersBackend / PreTrainedTokenizerFast, e.g. rlake's char tokenizer): that
+    one is read from its tokenizer.json as is. AutoTokenizer (transformers 5) builds such a checkpoint's
+    tokenizer as the model type's class (Qwen2Tokenizer for the tiny Qwen2), whose own pre-tokenizer drops
+    spaces: "12 + 34" encoded as "12+34", unlike the tokenizer the model was trained with."""
+    config = path / "tokenizer_config.json"
+    cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if cls in BACKEND_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def load_policy(model_dir: str | Path, dtype: str = "float32"):
