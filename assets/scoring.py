@@ -8,6 +8,7 @@ from assets.resources import RayResource, RolloutStoreResource, RunConfigResourc
 from stages.advantage import iteration_advantages, uses_adaptive_kl
 from stages.dag import upstream, uses_critic, uses_reference
 from stages.reward import score_rollouts
+from stages.reward_model import combine_rm_scores, reward_model_scores
 
 
 @dg.asset(
@@ -23,12 +24,15 @@ def scored_rollouts(
     rollout_store: RolloutStoreResource,
     ray: RayResource,
 ) -> dg.MaterializeResult:
-    """Rollouts with rule-based rewards by data_source; re-materialize to re-score without regenerating."""
+    """Rollouts with rule-based rewards by data_source (or reward.custom_reward_function's, its extra keys as
+    columns), each row's reward_version recorded; re-materialize to re-score without regenerating."""
     cfg, it = run_config.load(), int(context.partition_key)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     ray.ensure()
     with timed() as t:
         scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
+        if cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
+            scored = combine_rm_scores(scored, reward_model_scores(cfg, df), cfg.reward.reward_model.combine)
     v = write_table(
         rollout_store,
         cfg,
@@ -47,6 +51,7 @@ def scored_rollouts(
             "reward_mean": float(np.nanmean(scored["reward"])),
             "rollouts": len(scored),
             "reward_fns": sorted(scored["reward_fn"].unique()),
+            "reward_versions": sorted(scored["reward_version"].dropna().unique()),
         },
         check_results=[
             dg.AssetCheckResult(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -264,6 +264,70 @@ class OverlongBufferConfig(_Strict):
     penalty_factor: float = 1.0
 
 
+class RewardModelConfig(_Strict):
+    """A discriminative reward model (verl's reward_model.*): a local HF *ForSequenceClassification
+    checkpoint with one label, scoring each training rollout's prompt + response at its last token
+    (stages/reward_model.py). Validation keeps the rule reward, as verl validates rule-based only."""
+
+    enable: bool = False
+    """Score training rollouts with the reward model too (scored_rollouts gets rm_score, rm_version)."""
+    model_path: str | None = None
+    """Local checkpoint directory of the reward model (config.json architectures *ForSequenceClassification,
+    num_labels 1, a tokenizer); required with enable."""
+    micro_batch_size: int = 8
+    """Rollouts per reward-model forward."""
+    max_length: int = 512
+    """Most reward-model tokens of prompt + response; a longer one loses the start of its prompt (left
+    truncation), so the response's end, where the score is read, is always kept."""
+    combine: Literal["replace", "add"] = "replace"
+    """How rm_score enters `reward`. replace: reward = rm_score, verl's behaviour (with rm_scores in the
+    batch its reward managers return them and never call the rule function); add: reward = rule score +
+    rm_score (not in verl). Both: `score` keeps the rule score, the overlong penalty is added on top."""
+
+    @model_validator(mode="after")
+    def _check_model(self) -> RewardModelConfig:
+        if self.enable and not self.model_path:
+            raise ValueError(
+                "reward.reward_model.enable=true needs reward.reward_model.model_path, because the reward "
+                "model is loaded from a local checkpoint directory; set model_path=<dir with config.json> "
+                "or reward.reward_model.enable=false."
+            )
+        if self.micro_batch_size < 1 or self.max_length < 1:
+            raise ValueError(
+                f"reward.reward_model.micro_batch_size ({self.micro_batch_size}) and max_length "
+                f"({self.max_length}) must be >= 1, because they size each reward-model forward; raise them."
+            )
+        return self
+
+
+class CustomRewardFunctionConfig(_Strict):
+    """Your own reward function, verl's reward.custom_reward_function: when `path` is set it scores every
+    rollout, whatever its data_source, in place of the built-in scorers (stages/data/custom_reward.py)."""
+
+    path: str | None = None
+    """Python file defining the function (read once on the driver; its source ships to the Ray workers, so the
+    file need not exist on other nodes). null = the built-in scorers by data_source."""
+    name: str = "compute_score"
+    """The function in that file: name(data_source, solution_str, ground_truth, extra_info=None, **kwargs) ->
+    float or {"score": float, ...}; each extra key becomes a scored_rollouts column. `async def` works too."""
+    batched: bool = False
+    """True: the function takes lists (data_sources, solution_strs, ground_truths, extra_infos) and returns one
+    result per row, as verl's batch reward manager; called once per block of rows."""
+    reward_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments of every call (verl's custom_reward_function.reward_kwargs)."""
+
+    @model_validator(mode="after")
+    def _check_kwargs(self) -> CustomRewardFunctionConfig:
+        per_row = {"data_source", "solution_str", "ground_truth", "extra_info"}
+        taken = sorted(set(self.reward_kwargs) & (per_row | {f"{k}s" for k in per_row}))
+        if taken:
+            raise ValueError(
+                f"reward.custom_reward_function.reward_kwargs sets {taken}, but rlake passes those from each "
+                "rollout, so a config value cannot replace them; remove them from reward_kwargs."
+            )
+        return self
+
+
 class RewardConfig(_Strict):
     format_score: float = 0.0
     """Score for a well-formed but wrong answer (verl's gsm8k format_score)."""
@@ -282,8 +346,12 @@ class RewardConfig(_Strict):
     on_error: Literal["raise", "flag"] = "raise"
     """A reward function that raises or returns NaN: stop with the row named, or flag the row
     (reward NaN, reward_error set) and let the blocking asset check stop the iteration."""
+    custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
+    """Your own reward function (a Python file), verl-compatible; off (null path) by default."""
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
     """Overlong reward shaping of training rewards (validation scores the task reward alone)."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """A discriminative reward model scoring training rollouts (off by default)."""
 
 
 class TrainerConfig(_Strict):
@@ -397,6 +465,12 @@ class RunConfig(_Strict):
                 f"reward.overlong_buffer.len ({ob.len}) must be in (0, data.max_response_length="
                 f"{data.max_response_length}], because the penalty ramps over the last len tokens before the "
                 "limit; lower it."
+            )
+        if self.reward.reward_model.enable and alg.filter_groups.enable and alg.filter_groups.metric == "seq_reward":
+            raise ValueError(
+                "algorithm.filter_groups.metric='seq_reward' with reward.reward_model.enable=true: dynamic sampling "
+                "decides during generation, with the rule reward, while training uses the reward model's; use "
+                "metric 'acc' or 'score' (the rule score, stored beside rm_score) or disable filter_groups."
             )
         return self
 

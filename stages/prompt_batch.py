@@ -21,8 +21,8 @@ from stages.models.policy import encode_chat
 
 def build_prompt_batch(cfg: RunConfig, prompts: pd.DataFrame, iteration: int, tokenizer) -> pd.DataFrame:
     """Rows of the `prompt_batches` table of iteration `iteration` from the run's `prompts` table: one per
-    picked prompt (prompt_id, data_source, ground_truth, prompt_text, prompt_token_ids, epoch, position,
-    gen_round), in pick order."""
+    picked prompt (prompt_id, data_source, ground_truth, extra_info, prompt_text, prompt_token_ids, epoch,
+    position, gen_round), in pick order."""
     train = prompts[prompts["split"] == "train"].set_index("prompt_id")
     picks = iteration_prompts(list(train.index), iteration, cfg)  # (prompt_id, epoch, position, gen_round)
     chosen = train.loc[[p[0] for p in picks]].reset_index()
@@ -82,6 +82,8 @@ def prompt_batch_frame(prompts: pd.DataFrame, tokenizer, max_prompt_length: int)
             "prompt_id": prompts["prompt_id"].to_numpy(),
             "data_source": prompts["data_source"].to_numpy(),
             "ground_truth": [rm["ground_truth"] for rm in prompts["reward_model"]],
+            # the row's extra_info (JSON text), for a custom reward function's extra_info argument
+            "extra_info": prompts["extra_info"].to_numpy() if "extra_info" in prompts else None,
             "prompt_text": texts,
             "prompt_token_ids": ids,
         }

@@ -8,7 +8,7 @@ import pandas as pd
 
 from configs.schema import RunConfig
 from stages.data.datasets import generate_synthetic_task, load_prompt_rows
-from stages.data.rewards import reward_fn_for
+from stages.data.rewards import scorer_for
 
 
 def build_prompt_rows(cfg: RunConfig) -> pd.DataFrame:
@@ -21,8 +21,9 @@ def build_prompt_rows(cfg: RunConfig) -> pd.DataFrame:
         gen_train, gen_val = generate_synthetic_task(out, cfg.data.synthetic)
         train, val = [gen_train], val or [gen_val]
     df = load_prompt_rows(train, val)
-    for ds in df["data_source"].unique():  # an unknown data_source fails here, before any generation
-        reward_fn_for(ds)
+    if not cfg.reward.custom_reward_function.path:  # a custom reward function scores any data_source
+        for ds in df["data_source"].unique():  # an unknown data_source fails here, before any generation
+            scorer_for(ds)
     n_train = int((df["split"] == "train").sum())
     if n_train < cfg.data.train_batch_size:
         raise ValueError(

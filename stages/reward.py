@@ -1,12 +1,18 @@
-"""The scored_rollouts stage's reward: score each rollout with the rule-based function of its data_source.
+"""The scored_rollouts stage's reward: score each rollout with the rule-based function of its data_source, or
+with your own function (reward.custom_reward_function, verl-compatible: stages/data/custom_reward.py).
 
 Rule rewards hold no model, so they run as stateless Ray tasks (stages/workers/tasks.py map_with_tasks),
 one contiguous block per task; a reward model would be a worker class with its own group instead.
-A reward function that raises, or returns a non-finite value, is a clear error naming the rollout
-(reward.on_error='raise'), or flags the row with reward_error and reward NaN so downstream checks can
-gate it (reward.on_error='flag'). A scorer that runs out of time (math_grader.RewardTimeout: math_verify
-over its per-row wall-clock limit) scores 0.0, as verl's timeout_score, with reward_error set, under
+A reward function that raises, or returns a non-finite value or something that is not a score, is a clear
+error naming the rollout (reward.on_error='raise'), or flags the row with reward_error and reward NaN so
+downstream checks can gate it (reward.on_error='flag'). A scorer that runs out of time (math_grader.RewardTimeout:
+math_verify over its per-row wall-clock limit) scores 0.0, as verl's timeout_score, with reward_error set, under
 either on_error: the row is kept and trained on, and the run never hangs on it.
+
+Every row records which code scored it: reward_fn (module.function) and reward_version
+(<file or module>:<function>@<source hash>); a scorer's extra keys (a dict return, verl's reward_extra_info)
+become columns named as the keys, listed per row in reward_extra_keys. A custom function's source is read
+once on the driver and travels inside the picklable RewardStage, so the Ray tasks need no copy of the file.
 
 DAPO's soft overlong punishment (reward.overlong_buffer, stages.algos.dapo.overlong_reward_penalty)
 is added to the task score of training rollouts: `score` keeps the task score, `overlong_penalty`
@@ -17,17 +23,33 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable
+from typing import Any
 
 import pandas as pd
 import torch
 
 from configs.schema import RewardConfig
 from stages.algos.dapo import overlong_reward_penalty
+from stages.data.custom_reward import (
+    BatchShapeError,
+    CustomReward,
+    call_reward_fn,
+    check_extra_keys,
+    check_signature,
+    explain_error,
+    extra_column,
+    parse_extra_info,
+    read_custom_reward,
+    split_result,
+)
 from stages.data.math_grader import RewardTimeout, require_math_verify
-from stages.data.rewards import reward_fn_for
+from stages.data.rewards import Scorer, scorer_for
+from stages.io.tables import SCHEMAS
 from stages.workers.tasks import map_with_tasks
+
+_OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names)
+"""Names an extra key may not take: rlake's own scored_rollouts columns."""
 
 
 @functools.cache
@@ -41,11 +63,23 @@ def _option_kw(fn: Callable[..., float], options: dict[str, str]) -> dict:
     return {k: v for k, v in options.items() if k in _params(fn)}
 
 
+def _verl_rows(batch: pd.DataFrame, positions: list[int]) -> list[dict[str, Any]]:
+    """The keyword arguments of verl's compute_score for the rows at `positions` (extra_info parsed to a dict;
+    {} for a rollouts table written before the column existed)."""
+    info = batch["extra_info"].tolist() if "extra_info" in batch.columns else [None] * len(batch)
+    ds, text, gt = batch["data_source"].tolist(), batch["response_text"].tolist(), batch["ground_truth"].tolist()
+    return [
+        {"data_source": ds[i], "solution_str": text[i], "ground_truth": gt[i], "extra_info": parse_extra_info(info[i])}
+        for i in positions
+    ]
+
+
 class RewardStage:
     """A picklable scorer: RewardStage(**options)(rollouts) -> rollouts with reward columns (in this
     process, or in each Ray task of map_with_tasks).
 
     overlong: {"len", "penalty_factor", "max_response_length"} to shape rewards, or None.
+    custom: a user function (its source; read_custom_reward) scoring every row instead of the built-ins.
     """
 
     def __init__(
@@ -56,52 +90,95 @@ class RewardStage:
         overlong: dict | None = None,
         gsm8k_method: str = "strict",
         math_method: str = "default",
+        custom: CustomReward | None = None,
     ) -> None:
         self.kw = {"format_score": format_score, "score": score}
         self.options = {"method": gsm8k_method, "math_method": math_method}
         self.on_error = on_error
         self.overlong = overlong
+        self.custom = custom
 
-    def _score_one(self, fn: Callable[..., float], ds: str, rid: int, text: str, gt: str) -> tuple[float, str | None]:
-        """(score, reward_error) of one rollout under on_error; a timeout is (0.0, its message)."""
+    def _builtin(self, fn: Callable[..., Any], text: str, gt: str) -> Any:
+        """A built-in scorer's return value for one rollout, or the exception it raised."""
         try:
-            value = float(fn(text, gt, **self.kw, **_option_kw(fn, self.options)))
-            if not math.isfinite(value):
-                raise ValueError(f"returned non-finite {value}")
-            return value, None
+            return fn(text, gt, **self.kw, **_option_kw(fn, self.options))
+        except Exception as exc:  # reported with the row by _outcome
+            return exc
+
+    def _returns(self, batch: pd.DataFrame) -> tuple[list[str], list[str], list[Any]]:
+        """Per row: (reward_fn, reward_version, the scorer's return value or the exception it raised)."""
+        n = len(batch)
+        if self.custom is not None:
+            fn, c = load_custom_reward(self.custom), self.custom  # a file that fails to import says where
+            values = call_reward_fn(
+                fn, _verl_rows(batch, list(range(n))), batched=c.batched, reward_kwargs=c.reward_kwargs
+            )
+            return [c.label] * n, [c.version] * n, values
+        names, versions, values = [""] * n, [""] * n, [None] * n
+        sources, texts, gts = (
+            batch["data_source"].tolist(),
+            batch["response_text"].tolist(),
+            batch["ground_truth"].tolist(),
+        )
+        for ds in dict.fromkeys(sources):
+            scorer: Scorer = scorer_for(ds)
+            rows = [i for i, s in enumerate(sources) if s == ds]
+            if scorer.verl_call:
+                got = call_reward_fn(scorer.fn, _verl_rows(batch, rows))
+            else:
+                got = [self._builtin(scorer.fn, texts[i], gts[i]) for i in rows]
+            name, version = scorer.name, scorer.version
+            for i, value in zip(rows, got, strict=True):
+                names[i], versions[i], values[i] = name, version, value
+        return names, versions, values
+
+    def _outcome(self, name: str, ds: str, rid: int, value: Any) -> tuple[float, dict[str, Any], str | None]:
+        """(score, extra keys, reward_error) of one rollout from its scorer's return value or exception, under
+        on_error; a timeout is (0.0, {}, its message)."""
+        try:
+            if isinstance(value, BaseException):
+                raise value
+            return (*split_result(value), None)
         except RewardTimeout as exc:  # verl's timeout_score 0; flagged, never raised
-            return 0.0, f"RewardTimeout: {exc}"
+            return 0.0, {}, f"RewardTimeout: {exc}"
         except Exception as exc:  # user reward code; reported with the row
             if self.on_error == "raise":
                 raise ValueError(
-                    f"reward function {fn.__name__} for data_source '{ds}' failed on rollout "
-                    f"{rid}: {exc}. Fix the function or set reward.on_error='flag'."
+                    f"reward function {name} for data_source '{ds}' failed on rollout {rid}: {exc}. "
+                    "Fix the function or set reward.on_error='flag'."
                 ) from exc
-            return float("nan"), f"{type(exc).__name__}: {exc}"
+            return float("nan"), {}, f"{type(exc).__name__}: {exc}"
+
+    def _penalty(self, batch: pd.DataFrame) -> list[float]:
+        """Each row's overlong penalty (0.0 without reward.overlong_buffer)."""
+        if self.overlong is None or not len(batch):
+            return [0.0] * len(batch)
+        lengths = torch.tensor(batch["response_length"].to_numpy(dtype="int64"))
+        o = self.overlong
+        return (
+            overlong_reward_penalty(lengths, o["max_response_length"], o["len"], o["penalty_factor"]).double().tolist()
+        )
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        scores, names, errors = [], [], []
-        for rid, ds, text, gt in zip(
-            batch["rollout_id"], batch["data_source"], batch["response_text"], batch["ground_truth"], strict=True
-        ):
-            fn = reward_fn_for(ds)
-            value, err = self._score_one(fn, ds, rid, text, gt)
-            scores.append(value)
-            names.append(f"{fn.__module__}.{fn.__name__}")
-            errors.append(err)
-        penalty = [0.0] * len(batch)
-        if self.overlong is not None and len(batch):
-            lengths = torch.tensor(batch["response_length"].to_numpy(dtype="int64"))
-            penalty = (
-                overlong_reward_penalty(
-                    lengths, self.overlong["max_response_length"], self.overlong["len"], self.overlong["penalty_factor"]
-                )
-                .double()
-                .tolist()
-            )
-        rewards = [s + p for s, p in zip(scores, penalty, strict=True)]
+        names, versions, values = self._returns(batch)
+        outcomes = [
+            self._outcome(name, ds, rid, value)
+            for name, ds, rid, value in zip(names, batch["data_source"], batch["rollout_id"], values, strict=True)
+        ]
+        scores = [o[0] for o in outcomes]
+        extras = [o[1] for o in outcomes]
+        keys = sorted(set().union(*extras))
+        check_extra_keys(set(keys), _OWN_COLUMNS | set(batch.columns), " / ".join(sorted(set(names))))
+        penalty = self._penalty(batch)
         return batch.assign(
-            reward=rewards, reward_fn=names, reward_error=errors, score=scores, overlong_penalty=penalty
+            reward=[s + p for s, p in zip(scores, penalty, strict=True)],
+            reward_fn=names,
+            reward_error=[o[2] for o in outcomes],
+            score=scores,
+            overlong_penalty=penalty,
+            reward_version=versions,
+            reward_extra_keys=[sorted(e) for e in extras],
+            **{k: [e.get(k) for e in extras] for k in keys},
         )
 
 
@@ -109,12 +186,15 @@ def score_rollouts(
     rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True, max_response_length: int | None = None
 ) -> pd.DataFrame:
     """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
-    score and overlong_penalty. Overlong shaping applies when reward_cfg.overlong_buffer.enable and
-    max_response_length (the generation limit, data.max_response_length) is given."""
-    for ds in rollouts["data_source"].unique():  # unknown data_source: fail before any work
-        reward_fn_for(ds)
-    if reward_cfg.math_method == "math_verify":  # missing math-verify: fail before any work
-        require_math_verify()
+    score, overlong_penalty, reward_version, reward_extra_keys and one column per extra key (one type each).
+    Overlong shaping applies when reward_cfg.overlong_buffer.enable and max_response_length (the generation
+    limit, data.max_response_length) is given. A custom function's file is read here, once per call."""
+    custom = read_custom_reward(reward_cfg.custom_reward_function)
+    if custom is None:
+        for ds in rollouts["data_source"].unique():  # unknown data_source: fail before any work
+            scorer_for(ds)
+        if reward_cfg.math_method == "math_verify":  # missing math-verify: fail before any work
+            require_math_verify()
     ob = getattr(reward_cfg, "overlong_buffer", None)
     overlong = None
     if ob is not None and ob.enable and max_response_length is not None:
@@ -126,9 +206,63 @@ def score_rollouts(
         "overlong": overlong,
         "gsm8k_method": reward_cfg.gsm8k_method,
         "math_method": reward_cfg.math_method,
+        "custom": custom,
     }
     if not use_ray:
-        return RewardStage(**kwargs)(rollouts)
+        return typed_extras(RewardStage(**kwargs)(rollouts))
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))
     out = map_with_tasks(rollouts, RewardStage(**kwargs), parts=parts, num_cpus=0.5)
-    return out.sort_values("rollout_id").reset_index(drop=True)
+    return typed_extras(out.sort_values("rollout_id").reset_index(drop=True))
+
+
+def typed_extras(scored: pd.DataFrame) -> pd.DataFrame:
+    """The extra-key columns of all blocks given one type each (custom_reward.extra_column); a row without
+    a key (another block, a flagged row) holds None."""
+    keys = sorted({k for row in scored["reward_extra_keys"] for k in row})
+    if not keys:
+        return scored
+    return scored.assign(**{k: extra_column(k, scored[k].tolist()) for k in keys})
+
+
+def load_custom_reward(reward: CustomReward) -> Callable[..., Any]:
+    """The function of `reward` loaded as a Ray task will (exec'd source, named function, signature checked);
+    a file that fails to import is a ValueError naming its line."""
+    try:
+        fn = reward.function()
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's file: SyntaxError, ImportError, NameError at import time, ...
+        raise ValueError(
+            f"reward.custom_reward_function.path '{reward.path}' fails to import: {explain_error(reward, exc)}\n"
+            "rlake runs the file as a module in every process that scores rewards, so it must import cleanly; "
+            f"fix the file (`python {reward.path}` shows the same error)."
+        ) from None
+    check_signature(fn, reward)
+    return fn
+
+
+def probe_custom_reward(reward: CustomReward, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Call `reward` once on `row` (verl's four arguments) as the stage does: (score, extra keys), or a ValueError
+    saying what came back, why the stage cannot use it and how to fix it."""
+    fn = load_custom_reward(reward)
+    (value,) = call_reward_fn(fn, [row], batched=reward.batched, reward_kwargs=reward.reward_kwargs)
+    what = (
+        f"{reward.path}: {reward.name}, called once on the first training prompt (data_source "
+        f"'{row['data_source']}', its ground truth {row['solution_str']!r:.60} as the response)"
+    )
+    if isinstance(value, BatchShapeError):
+        raise ValueError(f"{what}: {value}; return a list with one number or dict per row.")
+    if isinstance(value, BaseException):
+        raise ValueError(
+            f"{what} raised {explain_error(reward, value)}\nIt would fail the same way on rollouts; fix the "
+            "function (a response it cannot parse should score 0.0, not raise)."
+        )
+    try:
+        score, extras = split_result(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} {exc}. Fix what the function returns.") from None
+    try:
+        check_extra_keys(set(extras), _OWN_COLUMNS, reward.label)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return score, extras

@@ -38,6 +38,11 @@ def engine_shard(sampling_seed: int, first_prompt_id: int) -> int:
     return sampling_seed * 1_000_003 + first_prompt_id
 
 
+def judge(rollout_seed: int, iteration: int) -> int:
+    """Sampling of `iteration`'s judge verdicts (reward.judge with temperature > 0)."""
+    return rollout_seed + iteration + 31_337
+
+
 def update(seed: int, iteration: int) -> int:
     """`iteration`'s policy and critic updates: mini-batch order (and Megatron's model-parallel RNG)."""
     return seed * 7 + iteration

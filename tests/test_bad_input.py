@@ -94,9 +94,99 @@ def test_unknown_data_source(tmp_path, capsys) -> None:
         match=[
             "No reward function for data_source 'my/unknown_set'",
             "Known: [",
-            "register one in stages.data.rewards.REWARD_FNS",
+            "register a scorer for it (stages.data.rewards.REWARD_FNS, or an installed package's 'rlake.rewards' "
+            "entry point), set reward.custom_reward_function.path to your own function",
         ],
     )
+
+
+_VERL_ARGS = "data_source, solution_str, ground_truth, extra_info=None"
+BAD_REWARDS = {
+    # case: (file source, extra overrides, message parts: what / why / fix)
+    "missing_file": (None, [], ["does not exist", "no reward function to load", "point it at a Python file"]),
+    "syntax_error": (
+        f"import re\n\ndef compute_score({_VERL_ARGS})\n    return 1.0\n",
+        [],
+        [
+            "fails to import",
+            "line 3: SyntaxError: expected ':'",
+            f"def compute_score({_VERL_ARGS})",
+            "must import cleanly",
+        ],
+    ),
+    "import_error": (
+        f"import not_a_real_package_xyz\n\n\ndef compute_score({_VERL_ARGS}):\n    return 1.0\n",
+        [],
+        ["line 1: ModuleNotFoundError: No module named 'not_a_real_package_xyz'", "import not_a_real_package_xyz"],
+    ),
+    "missing_name": (
+        f"def compute_score({_VERL_ARGS}):\n    return 1.0\n",
+        ["reward.custom_reward_function.name=my_score"],
+        ["name 'my_score' is not a function defined in", "functions there: ['compute_score']", "Set reward."],
+    ),
+    "wrong_signature": (
+        "def compute_score(solution_str, ground_truth):\n    return 1.0\n",
+        [],
+        ["does not accept ['data_source', 'extra_info']", "(verl's contract)", "define it as def compute_score("],
+    ),
+    "batched_flag_missing": (
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0]\n",
+        [],
+        ["does not accept", "set reward.custom_reward_function.batched=true"],
+    ),
+    "batched_not_a_list": (
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n    return 1.0\n",
+        ["reward.custom_reward_function.batched=true"],
+        ["returns one result per row (a list of 1), got float", "return a list with one number or dict per row"],
+    ),
+    "required_parameter": (
+        f"def compute_score({_VERL_ARGS.replace('=None', '')}, tokenizer):\n    return 1.0\n",
+        [],
+        ["requires ['tokenizer']", "set it in reward_kwargs"],
+    ),
+    "returns_a_string": (
+        f"def compute_score({_VERL_ARGS}):\n    return '1.0'\n",
+        [],
+        ["called once on the first training prompt", "returned str '1.0'", "returns a number", "Fix what"],
+    ),
+    "dict_without_score": (
+        f"def compute_score({_VERL_ARGS}):\n    return {{'acc': True}}\n",
+        [],
+        ["returned a dict without 'score' (keys ['acc'])", "a dict with the number under 'score'"],
+    ),
+    "clobbering_key": (
+        f"def compute_score({_VERL_ARGS}):\n    return {{'score': 1.0, 'reward': 2.0}}\n",
+        [],
+        ["returned extra keys ['reward']", "rlake's own scored_rollouts columns", "rename those keys"],
+    ),
+    "raises_on_the_probe": (
+        f"def compute_score({_VERL_ARGS}):\n    return float(extra_info['no_such_key'])\n",
+        [],
+        ["raised", "line 2: KeyError: 'no_such_key'", "should score 0.0, not raise"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REWARDS))
+def test_bad_custom_reward_function(tmp_path, capsys, case: str) -> None:
+    source, overrides, match = BAD_REWARDS[case]
+    path = tmp_path / "elsewhere" / "my_reward.py"
+    if source is not None:
+        path.parent.mkdir()
+        path.write_text(source)
+    err = _fails_early(tmp_path, capsys, f"reward.custom_reward_function.path={path}", *overrides, match=match)
+    assert str(path) in err
+
+
+def test_custom_reward_scores_any_data_source(tmp_path) -> None:
+    from configs.schema import load_config
+    from stages.run.preflight import preflight
+
+    data = _parquet(tmp_path, _verl_rows(data_source=["my/unknown_set"] * 12))
+    fn = tmp_path / "my_reward.py"
+    fn.write_text(f"def compute_score({_VERL_ARGS}):\n    return {{'score': 0.5, 'index': extra_info['index']}}\n")
+    cfg = load_config(CI, [f"data.train_files=[{data}]", f"reward.custom_reward_function.path={fn}"])
+    assert preflight(cfg)["reward_probe"] == (0.5, {"index": 0})  # the first training row's extra_info
 
 
 def test_prompt_longer_than_the_limit(tmp_path, capsys) -> None:
@@ -272,7 +362,7 @@ def test_reward_that_raises_stops_the_run_naming_the_rollout(broken_reward) -> N
 
     with pytest.raises(
         ValueError,
-        match=r"reward function broken for data_source 'test/broken' failed on rollout 1: "
+        match=r"reward function \S*\.broken for data_source 'test/broken' failed on rollout 1: "
         r"parser crashed\. Fix the function or set reward.on_error='flag'",
     ):
         score_rollouts(_rollouts(["ok", "boom"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)

@@ -217,17 +217,26 @@ def normalize_dapo_answer(answer: str) -> str:
     return answer.strip()
 
 
-def dapo_correct(response: str, ground_truth: str) -> bool:
-    """verl's math_dapo verify (strict_box_verify off) on the response's last 300 characters."""
+def dapo_verify(response: str, ground_truth: str) -> tuple[bool, str]:
+    """verl's math_dapo verify (strict_box_verify off) on the response's last 300 characters: (correct, pred),
+    pred = the normalized `Answer:` text, else the last boxed answer as written, else "[INVALID]"."""
     tail = response[-_DAPO_CLIP_CHARS:]
     found = _DAPO_ANSWER_RE.findall(tail)
     pred = normalize_dapo_answer(found[-1] if found else _DAPO_INVALID)
     if pred != _DAPO_INVALID:
-        return pred == normalize_dapo_answer(ground_truth)
+        return pred == normalize_dapo_answer(ground_truth), pred
     box_tail = tail[-_DAPO_BOX_CLIP_CHARS:]
     start = box_tail.rfind("\\boxed{")
     end = None if start < 0 else _balanced_end(box_tail, start)
-    return end is not None and box_tail[start + len("\\boxed{") : end] == ground_truth
+    if end is None:
+        return False, pred
+    boxed = box_tail[start + len("\\boxed{") : end]
+    return boxed == ground_truth, boxed
+
+
+def dapo_correct(response: str, ground_truth: str) -> bool:
+    """Whether verl's math_dapo verify accepts the response (dapo_verify's first item)."""
+    return dapo_verify(response, ground_truth)[0]
 
 
 # ---- Math-Verify (verl math_verify.py) ----------------------------------------------------------

@@ -1,5 +1,5 @@
 """Rule-based reward functions, chosen per data_source as verl's default_compute_score does
-(verl/utils/reward_score/__init__.py). Every scorer returns a float.
+(verl/utils/reward_score/__init__.py). A scorer returns a float, or a dict with "score" and extra keys.
 
 - gsm8k (verl's `gsm8k.py`): only the last 300 characters are read. method "strict" (default): the
   last `#### <number>` (digits, `.`, `,`, optional leading `-`), commas removed; method "flexible":
@@ -13,19 +13,34 @@
   format score, so `format_score` is ignored (a wrong boxed answer earns nothing). A None response
   scores 0.0.
 - DAPO (verl's `math_dapo.py`): +1.0 if correct, -1.0 otherwise (`score` and `format_score` are
-  ignored); verl's extras (acc, pred) are not returned.
+  ignored), returned as verl does with its extras: {"score", "acc", "pred"} (acc and pred become columns).
 - rlake's own sources: rlake/arith and rlake/gsm8k_synth (the synthetic tasks) and the alias
   "gsm8k" score as openai/gsm8k. verl routes none of these three.
 - verl routes "math" to its DAPO scorer, and so does rlake (it is not an alias of the MATH scorer).
+
+Installed packages add scorers through the entry-point group `rlake.rewards` (name = data_source, value =
+`module:function`), consulted after the built-ins: such a function is called as verl's compute_score
+(stages/data/custom_reward.py), and the package must be installed wherever rewards are scored (every Ray node).
+A configured reward.custom_reward_function replaces all of this routing.
+
+Versions (the reward_version column): a built-in is `stages.data.rewards:<function>@<hash>`, the hash being
+sha256 of the source of this module and stages/data/math_grader.py together (an edit to either changes every
+built-in's version: conservative, a helper's change always shows); an entry point's hashes its module's source.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
+import sys
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Literal
 
-from stages.data.math_grader import dapo_correct, last_boxed, math_equiv, math_verify_equiv
+from stages.data.custom_reward import source_version
+from stages.data.math_grader import dapo_verify, last_boxed, math_equiv, math_verify_equiv
 
 _SOLUTION_CLIP_CHARS = 300
 _GSM8K_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -93,14 +108,18 @@ def score_math(
     return score if answer is not None and math_equiv(answer, ground_truth) else 0.0
 
 
-def score_math_dapo(response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0) -> float:
-    """verl's DAPO math scorer (math_dapo.compute_score's "score"): +1.0 if correct, -1.0 otherwise.
+def score_math_dapo(
+    response: str, ground_truth: str, *, format_score: float = 0.0, score: float = 1.0
+) -> dict[str, float | bool | str]:
+    """verl's DAPO math scorer (math_dapo.compute_score): {"score": +1.0 if correct else -1.0, "acc": correct,
+    "pred": the extracted answer}; acc and pred become scored_rollouts columns, as verl's reward_extra_info.
     format_score and score are accepted for the stage's uniform call and ignored."""
     del format_score, score
-    return 1.0 if dapo_correct(response, ground_truth) else -1.0
+    correct, pred = dapo_verify(response, ground_truth)
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
-REWARD_FNS: dict[str, Callable[..., float]] = {
+REWARD_FNS: dict[str, Callable[..., Any]] = {
     # verl's default_compute_score routes
     "openai/gsm8k": score_gsm8k,
     "lighteval/MATH": score_math,
@@ -114,7 +133,7 @@ REWARD_FNS: dict[str, Callable[..., float]] = {
     "rlake/arith": score_gsm8k,
     "rlake/gsm8k_synth": score_gsm8k,
 }
-REWARD_PREFIXES: tuple[tuple[str, Callable[..., float]], ...] = (("aime", score_math_dapo),)
+REWARD_PREFIXES: tuple[tuple[str, Callable[..., Any]], ...] = (("aime", score_math_dapo),)
 """(prefix, scorer): a data_source not in REWARD_FNS that starts with the prefix (verl: aime*)."""
 
 # data_sources verl's default_compute_score scores with modules rlake does not implement
@@ -140,22 +159,89 @@ _VERL_ONLY = {
 }
 
 
-def reward_fn_for(data_source: str) -> Callable[..., float]:
-    """The scorer of a data_source: REWARD_FNS, then REWARD_PREFIXES. A source verl scores with a code
-    sandbox, PRIME's grader, geo3k or Search-R1 (the _VERL_ONLY names) raises, naming verl's module."""
+ENTRY_POINT_GROUP = "rlake.rewards"
+"""Installed packages register scorers here: name = data_source, value = "module:function"."""
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The scorer of a data_source and how it is called."""
+
+    fn: Callable[..., Any]
+    verl_call: bool = False
+    """False: a built-in, fn(response, ground_truth, *, format_score, score[, method | math_method]); True: an
+    entry point, called as verl's compute_score(data_source=, solution_str=, ground_truth=, extra_info=)."""
+
+    @property
+    def name(self) -> str:
+        """The reward_fn column: module.function."""
+        return f"{self.fn.__module__}.{self.fn.__name__}"
+
+    @property
+    def version(self) -> str:
+        """The reward_version column (module docstring)."""
+        if self.fn.__module__ == __name__:
+            return source_version(__name__, self.fn.__name__, _source(__name__) + _source(math_equiv.__module__))
+        return source_version(self.fn.__module__, self.fn.__name__, _source(self.fn.__module__))
+
+
+@functools.cache
+def _source(module: str) -> bytes:
+    """The source of an imported module (b"" when it has none, e.g. an extension module)."""
+    try:
+        return inspect.getsource(sys.modules[module]).encode()
+    except (KeyError, OSError, TypeError):
+        return b""
+
+
+def _entry_point(data_source: str) -> Callable[..., Any] | None:
+    """The function an installed package registers for data_source under ENTRY_POINT_GROUP, or None."""
+    found = entry_points(group=ENTRY_POINT_GROUP, name=data_source)
+    values = sorted({ep.value for ep in found})
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError(
+            f"data_source '{data_source}' is registered by several installed packages under the entry-point group "
+            f"'{ENTRY_POINT_GROUP}' ({values}), so its scorer is ambiguous; uninstall all but one of them."
+        )
+    ep = next(e for e in found if e.value == values[0])
+    try:
+        return ep.load()
+    except Exception as exc:  # an installed package's import error, reported with the entry point
+        raise ValueError(
+            f"the '{ENTRY_POINT_GROUP}' entry point {data_source} = {ep.value} cannot be loaded ({exc}); fix or "
+            "reinstall the package that registers it."
+        ) from exc
+
+
+def scorer_for(data_source: str) -> Scorer:
+    """The scorer of a data_source: REWARD_FNS, then REWARD_PREFIXES, then installed `rlake.rewards` entry
+    points. A source verl scores with a code sandbox, PRIME's grader, geo3k or Search-R1 (the _VERL_ONLY
+    names) raises, naming verl's module."""
     if data_source in REWARD_FNS:
-        return REWARD_FNS[data_source]
+        return Scorer(REWARD_FNS[data_source])
     for prefix, fn in REWARD_PREFIXES:
         if data_source.startswith(prefix):
-            return fn
+            return Scorer(fn)
+    registered = _entry_point(data_source)
+    if registered is not None:
+        return Scorer(registered, verl_call=True)
+    fix = (
+        "register a scorer for it (stages.data.rewards.REWARD_FNS, or an installed package's "
+        f"'{ENTRY_POINT_GROUP}' entry point), set reward.custom_reward_function.path to your own function, or"
+    )
     if data_source in _VERL_ONLY:
         raise ValueError(
             f"data_source '{data_source}' is scored in verl by verl.utils.reward_score.{_VERL_ONLY[data_source]}, "
-            "which rlake does not implement; register a scorer for it in stages.data.rewards.REWARD_FNS or "
-            "relabel these rows' data_source."
+            f"which rlake does not implement; {fix} relabel these rows' data_source."
         )
     raise ValueError(
         f"No reward function for data_source '{data_source}'. Known: {sorted(REWARD_FNS)} and any name starting "
-        f"with {[p for p, _ in REWARD_PREFIXES]}; register one in stages.data.rewards.REWARD_FNS or fix the "
-        "dataset's data_source."
+        f"with {[p for p, _ in REWARD_PREFIXES]}; {fix} fix the dataset's data_source."
     )
+
+
+def reward_fn_for(data_source: str) -> Callable[..., Any]:
+    """The scoring function of a data_source (scorer_for's)."""
+    return scorer_for(data_source).fn

@@ -19,7 +19,7 @@ import pandas as pd
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from stages.io.tables import COLUMN_DEFAULTS, SCHEMAS
+from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, SCHEMAS
 
 LINEAGE_PREFIX = "rlake."
 
@@ -72,7 +72,30 @@ def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
     missing = [f.name for f in schema if f.name not in df.columns]
     if missing:
         raise ValueError(f"table '{name}': DataFrame lacks columns {missing}; has {list(df.columns)}")
-    return pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
+    table = pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
+    for column in extra_columns(name, df):
+        try:
+            values = pa.array(df[column].tolist(), from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise ValueError(f"table '{name}': extra column '{column}' holds values of mixed types: {exc}") from exc
+        if values.null_count < len(values):  # an all-null column has no type Delta can store: left out
+            table = table.append_column(column, values)
+    return table
+
+
+def extra_columns(name: str, df: pd.DataFrame) -> list[str]:
+    """The columns beyond its schema that table `name` keeps (tables.EXTRA_COLUMNS), sorted; one that would
+    replace a schema column is a ValueError."""
+    if name not in EXTRA_COLUMNS or EXTRA_COLUMNS[name] not in df.columns:
+        return []
+    names = sorted({str(k) for keys in df[EXTRA_COLUMNS[name]] if keys is not None for k in keys})
+    taken = [k for k in names if k in SCHEMAS[name].names or k in ("run_id", "iteration")]
+    if taken:
+        raise ValueError(f"table '{name}': extra columns {taken} would replace its own columns of the same names")
+    missing = [k for k in names if k not in df.columns]
+    if missing:
+        raise ValueError(f"table '{name}': rows name extra columns {missing} the DataFrame lacks")
+    return names
 
 
 def write_partition(
@@ -93,6 +116,9 @@ def write_partition(
         LINEAGE_PREFIX + "table": name,
         LINEAGE_PREFIX + "code_version": code_version(),
     }
+    for column, key in COMMIT_SETS.items():  # e.g. every reward version that scored the rows written
+        if column in data.column_names:
+            meta[LINEAGE_PREFIX + key] = json.dumps(sorted({v for v in data[column].to_pylist() if v is not None}))
     props = CommitProperties(custom_metadata=meta)
     if not table_exists(uri):
         write_deltalake(uri, data, mode="append", partition_by=["run_id", "iteration"], commit_properties=props)
@@ -142,7 +168,8 @@ def commit_lineage(uri: str, *, run_id: str | None = None, iteration: int | None
             continue
         if iteration is not None and meta.get("iteration") != str(iteration):
             continue
-        if "upstream" in meta:
-            meta["upstream"] = json.loads(meta["upstream"])
+        for key in ("upstream", *COMMIT_SETS.values()):
+            if key in meta:
+                meta[key] = json.loads(meta[key])
         out.append({"version": entry.get("version"), "timestamp": entry.get("timestamp"), **meta})
     return out

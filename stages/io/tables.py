@@ -27,6 +27,7 @@ ROLLOUT_FIELDS = [
     pa.field("sample_index", pa.int32()),
     pa.field("data_source", pa.string()),
     pa.field("ground_truth", pa.string()),
+    pa.field("extra_info", pa.string()),  # the prompt's extra_info (JSON), a custom reward function's 4th argument
     pa.field("prompt_text", pa.string()),
     pa.field("prompt_token_ids", _TOKENS),
     pa.field("response_token_ids", _TOKENS),
@@ -47,7 +48,15 @@ REWARD_FIELDS = [
     pa.field("reward_fn", pa.string()),
     pa.field("reward_error", pa.string()),
     pa.field("score", pa.float64()),  # task score before shaping; reward = score + overlong_penalty
+    # the reward model's score and version (reward.reward_model; null without one): then reward = rm_score
+    # (combine=replace) or score + rm_score (combine=add), + overlong_penalty
+    pa.field("rm_score", pa.float64()),
+    pa.field("rm_version", pa.string()),
     pa.field("overlong_penalty", pa.float64()),
+    # which code scored the row: <file or module>:<function>@<sha256 of its source, 12 hex> (stages/reward.py)
+    pa.field("reward_version", pa.string()),
+    # the extra keys the reward function returned for this row (verl's reward_extra_info): each is a column
+    pa.field("reward_extra_keys", pa.list_(pa.string())),
 ]
 
 OLD_LOGPROB_FIELDS = [
@@ -68,6 +77,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("position", pa.int64()),
             pa.field("data_source", pa.string()),
             pa.field("ground_truth", pa.string()),
+            pa.field("extra_info", pa.string()),
             pa.field("prompt_text", pa.string()),
             pa.field("prompt_token_ids", _TOKENS),
             pa.field("gen_round", pa.int32()),
@@ -144,8 +154,19 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "old_logprobs": [],
     "rollout_probs_diff_max": None,
     "rollout_probs_diff_mean": None,
+    "rm_score": None,
+    "rm_version": None,
     "kl_coef": None,
     "reward_kl": None,
     "returns": [],
+    "extra_info": None,
+    "reward_version": None,
+    "reward_extra_keys": [],
 }
 """Values of columns a writer may omit (added by algorithms that not every run uses): store.to_arrow fills them."""
+EXTRA_COLUMNS: dict[str, str] = {"scored_rollouts": "reward_extra_keys"}
+"""Tables that keep columns beyond their schema: the union of the listed column's per-row names (a custom reward
+function's extra keys), typed as the values are; a later commit that adds one merges it into the table schema."""
+COMMIT_SETS: dict[str, str] = {"reward_version": "reward_versions"}
+"""column -> lineage key: every commit of a table with that column records the sorted set of its values
+(commit metadata rlake.reward_versions, read back by store.commit_lineage as a list)."""

@@ -1,15 +1,18 @@
 """The tiny policy of the CPU configs: a Qwen2 with an in-process character tokenizer, warm-started
-by a short supervised pass on a split of the synthetic task disjoint from validation (no hub)."""
+by a short supervised pass on a split of the synthetic task disjoint from validation (no hub); and a
+tiny reward model of the same architecture (a Qwen2ForSequenceClassification) for tests."""
 
 from __future__ import annotations
 
 import math
 import string
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+from configs.schema import TinyModelConfig
 from stages.models.policy import encode_chat
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -36,10 +39,9 @@ def build_char_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return fast
 
 
-def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schema.TinyModelConfig
-    """A randomly initialised tiny Qwen2ForCausalLM."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+def _tiny_config(cfg, vocab_size: int, **extra) -> Qwen2Config:  # cfg: configs.schema.TinyModelConfig
+    """The tiny Qwen2's config (pad <pad> = 0, eos <eos> = 1 of the char tokenizer, no bos)."""
+    return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -51,8 +53,31 @@ def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schem
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
+        **extra,
     )
-    return Qwen2ForCausalLM(config)
+
+
+def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schema.TinyModelConfig
+    """A randomly initialised tiny Qwen2ForCausalLM."""
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(_tiny_config(cfg, vocab_size))
+
+
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, cfg=None) -> Path:
+    """Write a randomly initialised tiny reward model to out_dir: a Qwen2ForSequenceClassification with one
+    label (the tiny policy's architecture, cfg: a TinyModelConfig, default its defaults) and the char
+    tokenizer, pad_token_id set (HF reads the score at the last non-pad token). No hub; the same seed
+    writes the same weights. Its scores are random but fixed: tests check the reward-model stage's
+    mechanics with it, not what it prefers."""
+    tok = build_char_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(_tiny_config(cfg or TinyModelConfig(), len(tok), num_labels=1))
+    model.eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
 
 def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg, seed: int = 0) -> list[float]:

@@ -4,6 +4,12 @@
 so bad input fails in seconds with a what / why / fix message instead of minutes into a run: malformed
 or missing parquet columns, an unknown data_source, too few prompts, prompts over
 data.max_prompt_length, and a model.path that is not a causal-LM checkpoint.
+
+A custom reward function (reward.custom_reward_function) is loaded as the Ray tasks will load it (file
+read, source exec'd, function looked up, signature checked) and then called ONCE: on the first training
+prompt with its ground truth as the response. verl does not probe; rlake does, so a function that returns
+a string, a dict without "score" or an extra key named like an rlake column fails here in seconds instead
+of after minutes of generation. The probe costs one call (mind it if the function calls a paid service).
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from configs.schema import RunConfig
+from stages.data.custom_reward import parse_extra_info, read_custom_reward
 from stages.models.policy import load_tokenizer
 from stages.models.tiny import build_char_tokenizer
 from stages.prompt_batch import tokenize_prompts
 from stages.prompts import build_prompt_rows
+from stages.reward import load_custom_reward, probe_custom_reward
+from stages.reward_model import check_reward_model_dir
 from stages.run.resume import check_causal_lm_dir
 
 
@@ -30,8 +39,18 @@ def preflight_tokenizer(model_cfg):
 
 def preflight(cfg: RunConfig) -> dict:
     """Validate data and model input of RunConfig `cfg`; returns counts (rows, train, longest prompt)."""
+    if cfg.reward.reward_model.enable:  # a checkpoint without a one-label classification head fails here
+        check_reward_model_dir(cfg.reward.reward_model.model_path)
+    custom = read_custom_reward(cfg.reward.custom_reward_function)  # missing file
+    if custom is not None:
+        load_custom_reward(custom)  # import error (with its line), missing function, wrong signature
     rows = build_prompt_rows(cfg)  # parquet columns and types, data_source, train_batch_size <= prompts
     out = {"rows": len(rows), "train": int((rows["split"] == "train").sum())}
+    if custom is not None:  # what the function returns, on one call
+        first = rows[rows["split"] == "train"].iloc[0]
+        gt = first["reward_model"]["ground_truth"]
+        row = {"data_source": first["data_source"], "solution_str": gt, "ground_truth": gt}
+        out["reward_probe"] = probe_custom_reward(custom, {**row, "extra_info": parse_extra_info(first["extra_info"])})
     tok = preflight_tokenizer(cfg.model)
     if tok is not None:
         ids, _ = tokenize_prompts(

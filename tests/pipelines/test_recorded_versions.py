@@ -6,6 +6,7 @@ re-materializations of partition 0 with dg.materialize on the same Dagster insta
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import dagster as dg
@@ -144,3 +145,39 @@ def test_ppo_kl_above_limit_blocks_the_iteration(run) -> None:
     key = dg.AssetCheckKey(dg.AssetKey("policy_checkpoint"), "ppo_kl_within_limit")
     statuses = [r.status.value for r in instance.event_log_storage.get_asset_check_execution_history(key, limit=10)]
     assert statuses == ["FAILED", "SUCCEEDED", "SUCCEEDED"]  # newest first: this test, iterations 1 and 0
+
+
+LENGTH_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(len(solution_str)), "chars": len(solution_str)}
+"""
+
+
+def test_rescore_under_a_custom_reward_shows_which_rows_changed_under_which_version(run, tmp_path) -> None:
+    out, instance = run
+    uri = _uri(out, "scored_rollouts")
+    before = store.commit_lineage(uri, run_id=RUN, iteration=0)[0]
+    (builtin,) = before["reward_versions"]
+    assert builtin.startswith("stages.data.rewards:score_gsm8k@")  # ci_tiny's rlake/arith rows
+    fn = tmp_path / "length_reward.py"
+    fn.write_text(LENGTH_REWARD)
+
+    _materialize(out, instance, "scored_rollouts", [f"reward.custom_reward_function.path={fn}"])
+
+    custom = f"length_reward.py:compute_score@{hashlib.sha256(LENGTH_REWARD.encode()).hexdigest()[:12]}"
+    after = store.commit_lineage(uri, run_id=RUN, iteration=0)[0]
+    assert after["version"] > before["version"] and after["reward_versions"] == [custom]
+    # which rows changed after re-scoring, and under which reward version: one query
+    changed = query(
+        out / "tables",
+        "SELECT s.rollout_id, b.reward_version AS version_before, s.reward_version AS version_after, "
+        "b.reward AS reward_before, s.reward AS reward_after, s.chars FROM scored_rollouts s "
+        "JOIN old b USING (run_id, iteration, rollout_id) "
+        f"WHERE s.run_id = '{RUN}' AND s.iteration = 0 AND s.reward IS DISTINCT FROM b.reward ORDER BY s.rollout_id",
+        {"old:scored_rollouts": before["version"]},
+    )
+    old = store.read_partition(uri, RUN, 0, version=before["version"]).sort_values("rollout_id")
+    lengths = old["response_text"].str.len()
+    assert changed["rollout_id"].tolist() == old.loc[old["reward"] != lengths, "rollout_id"].tolist()
+    assert set(changed["version_before"]) == {builtin} and set(changed["version_after"]) == {custom}
+    assert (changed["reward_after"] == changed["chars"]).all()

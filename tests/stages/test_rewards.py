@@ -131,8 +131,24 @@ def test_last_boxed_balances_braces() -> None:
     ],
 )
 def test_math_dapo_cases(text: str, gt: str, expected: float) -> None:
-    assert score_math_dapo(text, gt) == expected
-    assert score_math_dapo(text, gt, format_score=0.5, score=2.0) == expected  # both ignored: DAPO is +-1
+    out = score_math_dapo(text, gt)
+    assert out["score"] == expected and out["acc"] is (expected == 1.0)
+    assert score_math_dapo(text, gt, format_score=0.5, score=2.0)["score"] == expected  # both ignored: DAPO is +-1
+
+
+@pytest.mark.parametrize(
+    "text,pred",
+    [
+        ("Answer: x = 5 units", "5"),  # the normalized Answer: text
+        ("so \\boxed{ 42}", " 42"),  # no Answer: line: the boxed answer as written
+        ("no answer at all", "[INVALID]"),
+    ],
+)
+def test_math_dapo_returns_score_acc_pred_as_verl(text: str, pred: str) -> None:
+    # verl's math_dapo.compute_score returns {"score", "acc", "pred"}; acc and pred become scored_rollouts columns
+    assert score_math_dapo(text, "42")["pred"] == pred
+    out = RewardStage()(_rollouts([text], ["math_dapo"]))
+    assert out["pred"].tolist() == [pred] and out["reward_extra_keys"].tolist() == [["acc", "pred"]]
 
 
 @pytest.mark.parametrize(
@@ -158,8 +174,8 @@ def test_routing_follows_verl_default_compute_score(source: str, fn) -> None:
 
 
 def test_math_source_scores_as_dapo() -> None:
-    assert reward_fn_for("math")("Answer: 7", "7") == 1.0
-    assert reward_fn_for("math")("\\boxed{8}", "7") == -1.0
+    assert reward_fn_for("math")("Answer: 7", "7")["score"] == 1.0
+    assert reward_fn_for("math")("\\boxed{8}", "7")["score"] == -1.0
 
 
 @pytest.mark.parametrize(
@@ -177,7 +193,8 @@ def test_math_source_scores_as_dapo() -> None:
 def test_verl_sources_rlake_does_not_score_say_so(source: str, module: str) -> None:
     with pytest.raises(ValueError, match=rf"'{source}' is scored in verl by verl.utils.reward_score.{module}") as err:
         reward_fn_for(source)
-    assert "rlake does not implement; register a scorer for it in stages.data.rewards.REWARD_FNS" in str(err.value)
+    assert "rlake does not implement; register a scorer for it (stages.data.rewards.REWARD_FNS" in str(err.value)
+    assert "reward.custom_reward_function.path" in str(err.value)
 
 
 def test_unknown_data_source_lists_known_ones() -> None:

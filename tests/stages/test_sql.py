@@ -12,11 +12,18 @@ from pipelines.cli import main
 from stages.io import store
 from stages.io.tables import SCHEMAS
 
-_VALUE = {pa.string(): "x", pa.int64(): 1, pa.int32(): 1, pa.float64(): 0.5, pa.bool_(): False}
+_VALUE = {
+    pa.string(): "x",
+    pa.int64(): 1,
+    pa.int32(): 1,
+    pa.float64(): 0.5,
+    pa.bool_(): False,
+    pa.list_(pa.string()): [],
+}
 
 
 def _rows(name: str, n: int = 2) -> pd.DataFrame:
-    """n rows of table `name` with a plain value for every declared column (lists get [1])."""
+    """n rows of table `name` with a plain value for every declared column (lists get [1], string lists [])."""
     schema = SCHEMAS[name]
     return pd.DataFrame(
         {f.name: [_VALUE.get(f.type, [1])] * n for f in schema if f.name not in ("run_id", "iteration")}
@@ -25,7 +32,7 @@ def _rows(name: str, n: int = 2) -> pd.DataFrame:
 
 @pytest.fixture
 def tables(tmp_path: Path) -> Path:
-    """scored_rollouts (25 columns) and iteration_metrics (5): 30 columns, few enough to list all."""
+    """scored_rollouts (30 columns) and iteration_metrics (5): 35 columns, few enough to list all."""
     root = tmp_path / "tables"
     for name in ("scored_rollouts", "iteration_metrics"):
         store.write_partition(str(root / name), name, _rows(name), run_id="r", iteration=0, lineage={})
@@ -51,13 +58,13 @@ def test_unknown_column_names_columns_and_suggests(tables, capsys):
     err = _sql_error(capsys, tables, "SELECT rewrd FROM scored_rollouts")
     assert 'Referenced column "rewrd" not found' in err
     assert "(did you mean 'reward' or " in err  # the closest first
-    assert "scored_rollouts(run_id, iteration, policy_version" in err and "overlong_penalty)" in err
-    assert "iteration_metrics(run_id, iteration, policy_version, metric, value)" in err  # all tables: 30 columns
+    assert "scored_rollouts(run_id, iteration, policy_version" in err and "reward_extra_keys)" in err
+    assert "iteration_metrics(run_id, iteration, policy_version, metric, value)" in err  # all tables: 35 columns
 
 
 def test_unknown_column_many_tables_lists_only_named(tables, capsys):
     store.write_partition(str(tables / "rollouts"), "rollouts", _rows("rollouts"), run_id="r", iteration=0, lineage={})
-    err = _sql_error(capsys, tables, "SELECT METRC FROM iteration_metrics")  # 50 columns in all: only the named table
+    err = _sql_error(capsys, tables, "SELECT METRC FROM iteration_metrics")  # 56 columns in all: only the named table
     assert "did you mean 'metric'?" in err  # case-insensitive, as DuckDB resolves names
     assert "columns: iteration_metrics(run_id, iteration, policy_version, metric, value)" in err
     assert "scored_rollouts" not in err and "rollouts(" not in err
