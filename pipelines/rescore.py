@@ -40,6 +40,8 @@ class RescoreReport:
     rewards_before: list[str]
     rewards_after: list[str]
     advantages_version: int | None
+    versioned: bool = True
+    """Both versions have reward_version (tables written before it have reward_fn only)."""
 
     def table(self) -> str:
         """The report as lines for the terminal, ending with the SQL that lists the changed rows."""
@@ -56,9 +58,12 @@ class RescoreReport:
 
     def sql(self) -> str:
         """`rlake sql` command comparing the partition's rewards at the two versions."""
+        which = (
+            "b.reward_version AS version_before, s.reward_version AS version_after" if self.versioned else "s.reward_fn"
+        )
         return (
             f"rlake sql --version old:scored_rollouts={self.before_version} "
-            '"SELECT s.rollout_id, b.reward AS reward_before, s.reward AS reward_after, s.reward_fn '
+            f'"SELECT s.rollout_id, b.reward AS reward_before, s.reward AS reward_after, {which} '
             "FROM scored_rollouts s JOIN old b USING (run_id, iteration, rollout_id) "
             f"WHERE s.run_id = '{self.run_id}' AND s.iteration = {self.iteration} "
             "AND s.reward IS DISTINCT FROM b.reward "
@@ -120,4 +125,5 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
         rewards_before=_reward_names(old),
         rewards_after=_reward_names(new),
         advantages_version=int(adv[0]["version"]) if adv else None,
+        versioned="reward_version" in old.columns and "reward_version" in new.columns,
     )

@@ -69,6 +69,12 @@ def test_rescore_writes_one_partition_with_the_new_reward(trained, capsys) -> No
     sql = printed.split("--version old:scored_rollouts=", 1)[1].split(" ", 1)[1].strip().strip('"')
     rows = query(out / "tables", sql, {"old:scored_rollouts": before0})
     assert len(rows) == changed and (rows["reward_after"] != rows["reward_before"]).all()
+    # the built-in scorer's version (its source did not change) scored both; the config change is in lineage
+    assert set(rows["version_before"]) == set(rows["version_after"]) == set(new0["reward_version"])
+    assert (
+        after["config_hash"]
+        != store.commit_lineage(_uri(out, "scored_rollouts"), run_id=RUN, iteration=1)[0]["config_hash"]
+    )
 
 
 def test_rescore_of_a_partition_never_scored_says_why(trained, capsys) -> None:
