@@ -6,7 +6,8 @@ import numpy as np
 from assets.common import ROLLOUT, TRAIN, iterations, read_if, read_recorded, timed, write_table
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
-from stages.dag import upstream, uses_critic, uses_reference
+from stages.dag import upstream, uses_critic, uses_judge, uses_reference
+from stages.judge import combine_judge_scores
 from stages.reward import score_rollouts
 from stages.reward_model import combine_rm_scores, reward_model_scores
 
@@ -28,11 +29,14 @@ def scored_rollouts(
     columns), each row's reward_version recorded; re-materialize to re-score without regenerating."""
     cfg, it = run_config.load(), int(context.partition_key)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
+    judged, judged_version = read_if(uses_judge(cfg), context, rollout_store, "judgements", cfg.run_id, it)
     ray.ensure()
     with timed() as t:
         scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
         if cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
             scored = combine_rm_scores(scored, reward_model_scores(cfg, df), cfg.reward.reward_model.combine)
+        if judged is not None:  # a generative judge's verdicts (stages/judge.py)
+            scored = combine_judge_scores(scored, judged, cfg.reward.judge.combine)
     v = write_table(
         rollout_store,
         cfg,
@@ -40,7 +44,7 @@ def scored_rollouts(
         scored,
         it,
         policy_version=it,
-        upstream={"rollouts": version},
+        upstream={"rollouts": version, "judgements": judged_version},
         duration_s=t["s"],
     )
     bad = int((~np.isfinite(scored["reward"])).sum())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import string
 from pathlib import Path
 from typing import Any, Literal
 
@@ -300,6 +302,77 @@ class RewardModelConfig(_Strict):
         return self
 
 
+JUDGE_PLACEHOLDERS = ("question", "response", "ground_truth")
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the answer to the question against the reference answer.\n"
+    "Question: {question}\nAnswer: {response}\nReference answer: {ground_truth}\n"
+    "Reply with 'Score: 1' if the answer is correct and 'Score: 0' if it is not."
+)
+
+
+class JudgeConfig(_Strict):
+    """A generative judge (LLM-as-judge): a local causal-LM checkpoint, served by rollout engines of
+    rollout.name (HF or vLLM) on a persistent "judge" worker group, reads prompt_template filled with each
+    training rollout's question, response and ground truth and answers; score_regex reads the score
+    (stages/judge.py). Prompts and verdicts go to the `judgements` table. Validation keeps the rule reward."""
+
+    enable: bool = False
+    """Judge training rollouts (scored_rollouts gets judge_score, judge_error; a judgements table is written)."""
+    model_path: str | None = None
+    """Local causal-LM checkpoint directory of the judge (config.json + tokenizer); required with enable."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's user message; Python str.format placeholders {question} (the rollout's last user message),
+    {response} (required) and {ground_truth}; literal braces doubled ({{ }})."""
+    score_regex: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    """Regular expression searched in the verdict; its first group, as a float, is judge_score. No match (or
+    not a number): judge_score null, judge_error says why, and the judge adds nothing to that reward."""
+    temperature: float = 0.0
+    """Judge sampling temperature; 0 = greedy (deterministic verdicts)."""
+    max_tokens: int = 32
+    """Most tokens of a verdict."""
+    num_workers: int = 1
+    """Judge engines (RolloutWorkers of the "judge" group)."""
+    combine: Literal["replace", "add"] = "replace"
+    """How judge_score enters `reward`: replace (reward = judge_score) or add (rule score + judge_score); the
+    overlong penalty stays added on top, `score` keeps the rule score."""
+
+    @model_validator(mode="after")
+    def _check_judge(self) -> JudgeConfig:
+        if self.enable and not self.model_path:
+            raise ValueError(
+                "reward.judge.enable=true needs reward.judge.model_path, because the judge is loaded from a "
+                "local checkpoint directory; set model_path=<dir with config.json> or reward.judge.enable=false."
+            )
+        fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}
+        unknown = sorted(fields - set(JUDGE_PLACEHOLDERS))
+        if unknown or "response" not in fields:
+            raise ValueError(
+                f"reward.judge.prompt_template has placeholders {sorted(fields)}: "
+                + (f"{unknown} are unknown" if unknown else "{response} is missing")
+                + f", because the template is filled with {list(JUDGE_PLACEHOLDERS)} per rollout and the judge "
+                "must see the response; use only those names (double literal braces: {{ }})."
+            )
+        try:
+            groups = re.compile(self.score_regex).groups
+        except re.error as exc:
+            raise ValueError(
+                f"reward.judge.score_regex {self.score_regex!r} is not a regular expression ({exc}); fix it, "
+                r"e.g. 'Score:\s*(-?\d+(?:\.\d+)?)'."
+            ) from None
+        if groups < 1:
+            raise ValueError(
+                f"reward.judge.score_regex {self.score_regex!r} has no capture group, because the score is read "
+                r"from the first group; wrap the number in parentheses, e.g. 'Score:\s*(-?\d+(?:\.\d+)?)'."
+            )
+        if self.temperature < 0 or self.max_tokens < 1 or self.num_workers < 1:
+            raise ValueError(
+                f"reward.judge.temperature ({self.temperature}) must be >= 0 and max_tokens ({self.max_tokens}) "
+                f"and num_workers ({self.num_workers}) >= 1, because they size the judge's generation; fix them."
+            )
+        return self
+
+
 class CustomRewardFunctionConfig(_Strict):
     """Your own reward function, verl's reward.custom_reward_function: when `path` is set it scores every
     rollout, whatever its data_source, in place of the built-in scorers (stages/data/custom_reward.py)."""
@@ -352,6 +425,8 @@ class RewardConfig(_Strict):
     """Overlong reward shaping of training rewards (validation scores the task reward alone)."""
     reward_model: RewardModelConfig = RewardModelConfig()
     """A discriminative reward model scoring training rollouts (off by default)."""
+    judge: JudgeConfig = JudgeConfig()
+    """A generative judge (LLM-as-judge) scoring training rollouts (off by default)."""
 
 
 class TrainerConfig(_Strict):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets import critic, ingest, old_logprobs, reference, rollout, scoring, training
+from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, training
 from configs.schema import RunConfig, load_config
 from pipelines.jobs import make_iteration_job, setup_job
 from pipelines.resources import build_resources
@@ -28,7 +28,9 @@ def _assets_in_dag_order() -> list[dg.AssetsDefinition]:
     """The assets of the asset modules, one per stage of stages/dag.py, in its order."""
     found = {
         a.key.to_user_string(): a
-        for a in dg.load_assets_from_modules([ingest, rollout, reference, old_logprobs, scoring, critic, training])
+        for a in dg.load_assets_from_modules(
+            [ingest, rollout, reference, old_logprobs, judge, scoring, critic, training]
+        )
     }
     names = [s.name for s in SETUP + ITERATION]
     if set(found) != set(names):

@@ -1,8 +1,9 @@
 """`rlake rescore`: score one past iteration again with another reward, as a Dagster re-materialization.
 
-Re-materializes the `scored_rollouts` partition of (run, iteration), and with `advantages=True` its
-`advantages` partition too, in the run's own Dagster instance (<output_dir>/dagster_home), with the run's
-config plus the caller's reward overrides (`reward.score=2`, `reward.custom_reward_function.path=...`).
+Re-materializes the `scored_rollouts` partition of (run, iteration) (after its `judgements` when the config
+has a judge), and with `advantages=True` its `advantages` partition too, in the run's own Dagster instance
+(<output_dir>/dagster_home), with the run's config plus the caller's reward overrides (`reward.score=2`,
+`reward.custom_reward_function.path=...`, `reward.judge.*`).
 The rollouts are the version the iteration recorded (assets.common.read_recorded), nothing is generated
 again, and only that partition gets new table versions; the older versions stay readable by time travel,
 so the report ends with the SQL that compares the two. The same as re-materializing the partition from
@@ -22,6 +23,7 @@ from configs.schema import RunConfig
 from pipelines.definitions import ASSETS
 from pipelines.resources import build_resources
 from pipelines.runner import QUIET, dagster_home
+from stages.dag import uses_judge
 from stages.io.store import commit_lineage, read_partition, table_exists
 
 
@@ -98,7 +100,11 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
     dagster_home(cfg.trainer.output_dir)
     instance = dg.DagsterInstance.get()
     instance.add_dynamic_partitions("iteration", [str(iteration)])
-    selection = ["scored_rollouts", "advantages"] if advantages else ["scored_rollouts"]
+    selection = [
+        *(["judgements"] if uses_judge(cfg) else []),  # a (new) judge judges the recorded rollouts again
+        "scored_rollouts",
+        *(["advantages"] if advantages else []),
+    ]
     dg.materialize(
         ASSETS,
         selection=selection,

@@ -34,6 +34,11 @@ def uses_reference(cfg: RunConfig) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def uses_judge(cfg: RunConfig) -> bool:
+    """A generative judge scores the training rollouts (reward.judge): its verdicts (`judgements`)."""
+    return bool(cfg.reward.judge.enable)
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -72,7 +77,9 @@ ITERATION: tuple[Stage, ...] = (
     # the policy that sampled (version == iteration) is found like the rollouts' (ModelStore.require)
     Stage("old_logprobs",      "stages.old_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/old_logprobs"),
-    Stage("scored_rollouts",   "stages.reward",        ("rollouts",),
+    Stage("judgements",        "stages.judge",         ("rollouts",),
+          table=True,  timing="timing_s/judgements",      when=uses_judge),
+    Stage("scored_rollouts",   "stages.reward",        ("rollouts", "judgements"),
           table=True,  timing="timing_s/scored_rollouts"),
     Stage("values",            "stages.values",        ("scored_rollouts",),  # reads the rollouts table
           table=True,                                     when=uses_critic),

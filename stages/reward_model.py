@@ -26,7 +26,6 @@ Choices:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import pandas as pd
 import torch
 
 from configs.schema import RunConfig
-from stages.io.checkpoints import checkpoint_id
+from stages.io.checkpoints import model_version
 from stages.models.policy import load_tokenizer
 from stages.models.smollm2 import resolve_model_path
 from stages.models.tiny import build_char_tokenizer
@@ -45,11 +44,6 @@ from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
 
 ROLE = "reward_model"
 """The worker group's role (its actors are named rlake:reward_model:<build>:<rank>)."""
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
-SAMPLE_BYTES = 1 << 20
-"""rm_version without a checkpoint id hashes this much of each weight file's start and end: the tensors there
-(safetensors orders same-dtype tensors by name, so a sequence classifier's `score` head sits near the end)
-differ between two trainings of one architecture, whose config.json and file sizes are the same."""
 
 
 def check_reward_model_dir(path: str | Path | None) -> dict:
@@ -78,24 +72,6 @@ def check_reward_model_dir(path: str | Path | None) -> dict:
             "read the rollouts' text; save the tokenizer with it (tokenizer.save_pretrained(model_path))."
         )
     return conf
-
-
-def reward_model_version(path: str | Path) -> str:
-    """The RM's checkpoint id, else a digest of config.json and of each weight file's name, size and first
-    and last SAMPLE_BYTES (read in milliseconds whatever the model's size)."""
-    p = Path(path)
-    ident = checkpoint_id(p)
-    if ident is not None:
-        return ident
-    h = hashlib.sha256((p / "config.json").read_bytes())
-    for f in sorted(x for x in p.iterdir() if x.suffix in WEIGHT_SUFFIXES):
-        size = f.stat().st_size
-        h.update(f"\n{f.name}:{size}\n".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(SAMPLE_BYTES))
-            fh.seek(max(size - SAMPLE_BYTES, 0))
-            h.update(fh.read(SAMPLE_BYTES))
-    return "sha256:" + h.hexdigest()[:16]
 
 
 def shares_policy_tokenizer(cfg: RunConfig) -> bool:
@@ -153,7 +129,7 @@ def reward_model_scores(cfg: RunConfig, rollouts: pd.DataFrame, *, use_ray: bool
             f"the reward model at {rm.model_path} gave non-finite scores to rollouts {bad[:10]}; its weights or "
             "dtype are broken: check the checkpoint (e.g. score a few texts with it in transformers)."
         )
-    out = out.assign(rm_version=reward_model_version(rm.model_path))
+    out = out.assign(rm_version=model_version(rm.model_path))
     return out.sort_values("rollout_id").reset_index(drop=True)
 
 

@@ -52,6 +52,10 @@ REWARD_FIELDS = [
     # (combine=replace) or score + rm_score (combine=add), + overlong_penalty
     pa.field("rm_score", pa.float64()),
     pa.field("rm_version", pa.string()),
+    # the generative judge's parsed score (null: no judge, or a verdict score_regex could not read, then
+    # judge_error says why); reward = judge_score (combine=replace) or score + judge_score (add)
+    pa.field("judge_score", pa.float64()),
+    pa.field("judge_error", pa.string()),
     pa.field("overlong_penalty", pa.float64()),
     # which code scored the row: <file or module>:<function>@<sha256 of its source, 12 hex> (stages/reward.py)
     pa.field("reward_version", pa.string()),
@@ -137,6 +141,19 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("ref_logprobs", pa.list_(pa.float32())),
         ]
     ),
+    # the generative judge's prompt and raw verdict per training rollout (reward.judge), and what was read from it
+    "judgements": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64()),
+            pa.field("judge_prompt", pa.string()),
+            pa.field("judge_output", pa.string()),
+            pa.field("judge_score", pa.float64()),
+            pa.field("judge_error", pa.string()),
+            pa.field("judge_model", pa.string()),
+        ]
+    ),
     "iteration_metrics": pa.schema(
         _KEYS
         + [
@@ -156,6 +173,8 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "rollout_probs_diff_mean": None,
     "rm_score": None,
     "rm_version": None,
+    "judge_score": None,
+    "judge_error": None,
     "kl_coef": None,
     "reward_kl": None,
     "returns": [],

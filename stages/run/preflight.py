@@ -41,6 +41,9 @@ def preflight(cfg: RunConfig) -> dict:
     """Validate data and model input of RunConfig `cfg`; returns counts (rows, train, longest prompt)."""
     if cfg.reward.reward_model.enable:  # a checkpoint without a one-label classification head fails here
         check_reward_model_dir(cfg.reward.reward_model.model_path)
+    if cfg.reward.judge.enable:  # the judge generates: a causal-LM checkpoint with a tokenizer
+        check_causal_lm_dir(cfg.reward.judge.model_path, what="reward.judge.model_path")
+        load_tokenizer(cfg.reward.judge.model_path)
     custom = read_custom_reward(cfg.reward.custom_reward_function)  # missing file
     if custom is not None:
         load_custom_reward(custom)  # import error (with its line), missing function, wrong signature

@@ -5,7 +5,9 @@ changed rows; a partition that was never scored is a what/why/fix error with exi
 from __future__ import annotations
 
 import os
+import re
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -83,3 +85,54 @@ def test_rescore_of_a_partition_never_scored_says_why(trained, capsys) -> None:
     assert code == 2
     assert "no scored_rollouts for run 'rescore-run' iteration 7" in err
     assert "runs there: ['rescore-run']" in err and "--iteration" in err
+
+
+def _judge_overrides(out, regex: str) -> list[str]:
+    policies = sorted((out / "checkpoints" / RUN).glob("policy_v*"), key=lambda p: int(p.name[len("policy_v") :]))
+    return [
+        f"trainer.output_dir={out}",
+        "reward.judge.enable=true",
+        f"reward.judge.model_path={policies[0]}",  # the run's warm-started policy, as a judge that answers
+        "reward.judge.prompt_template='{question} {response}'",  # overrides are YAML: quoted, else {..} is a map
+        f"reward.judge.score_regex='{regex}'",
+        "reward.judge.max_tokens=12",
+    ]
+
+
+def test_rescore_with_a_judge_stores_verdicts_and_flags_unparsed_ones(trained, capsys) -> None:
+    """The tiny judge is the run's warm-started policy v0, prompted '{question} {response}' (e.g.
+    '11+17= #### 28'): it continues with digits ('## 26', '1'), so score_regex '(-?\\d+)\\s*$' (a number at
+    the end) reads a score from most verdicts; 'Score: (\\d)' reads none: every row flagged (judge_error),
+    not a crash, and under combine=replace its reward is 0 (ci_tiny has no overlong shaping)."""
+    out = trained
+    argv = ["rescore", "--config", CONFIG, "--run-id", RUN, "--iteration", "1"]
+    regex = r"(-?\d+)\s*$"
+    assert main([*argv, *_judge_overrides(out, regex)]) == 0, capsys.readouterr()
+    judged = _partition(out, "judgements", 1)
+    scored = _partition(out, "scored_rollouts", 1)
+    assert judged["judge_error"].isna().any(), judged[["judge_output", "judge_error"]].head()
+    for _, row in judged.iterrows():  # each score is what the regex reads from the stored verdict, or flagged
+        match = re.search(regex, row["judge_output"])
+        if match is not None:
+            assert row["judge_score"] == float(match.group(1)) and row["judge_error"] is None
+        else:
+            assert np.isnan(row["judge_score"]) and "does not match" in row["judge_error"]
+    assert (scored["reward"].to_numpy() == np.nan_to_num(judged["judge_score"].to_numpy())).all()
+    prompts = store.read_partition(_uri(out, "prompts"), RUN, -1)
+    question = {
+        pid: [m["content"] for m in msgs if m["role"] == "user"][-1]
+        for pid, msgs in zip(prompts["prompt_id"], prompts["prompt"], strict=True)
+    }
+    for p, pid, r in zip(judged["judge_prompt"], scored["prompt_id"], scored["response_text"], strict=True):
+        assert p == f"{question[pid]} {r}"  # the template filled with the user message and the response
+    assert judged["judge_model"].nunique() == 1
+    lineage = store.commit_lineage(_uri(out, "scored_rollouts"), run_id=RUN, iteration=1)[0]
+    judged_version = store.commit_lineage(_uri(out, "judgements"), run_id=RUN, iteration=1)[0]["version"]
+    assert lineage["upstream"]["judgements"] == judged_version
+
+    assert main([*argv, *_judge_overrides(out, r"Score: (\d)")]) == 0, capsys.readouterr()
+    judged = _partition(out, "judgements", 1)
+    scored = _partition(out, "scored_rollouts", 1)
+    assert judged["judge_score"].isna().all()
+    assert judged["judge_error"].str.contains("does not match the judge's output").all()
+    assert (scored["reward"] == 0.0).all() and scored["judge_error"].notna().all()

@@ -12,8 +12,8 @@ import pytest
 
 from pipelines.cli import main
 from stages.io import store
+from stages.io.checkpoints import model_version
 from stages.models.tiny import build_tiny_reward_model
-from stages.reward_model import reward_model_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -41,7 +41,7 @@ def test_train_with_a_reward_model_rewards_its_scores(tmp_path, ray_session, cap
     for it in (0, 1):
         scored = store.read_partition(str(out / "tables" / "scored_rollouts"), "rm", it)
         assert len(scored) == 8 * 4 and scored["rm_score"].notna().all()
-        assert set(scored["rm_version"]) == {reward_model_version(rm)}
+        assert set(scored["rm_version"]) == {model_version(rm)}
         np.testing.assert_array_equal(scored["reward"], scored["rm_score"])  # replace, no overlong shaping
         assert set(scored["score"]).issubset({0.0, 0.1, 1.0})  # the rule score (format_score 0.1) is kept
         assert scored["rm_score"].std() > 0 and not set(scored["rm_score"]).issubset({0.0, 0.1, 1.0})

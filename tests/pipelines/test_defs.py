@@ -41,6 +41,7 @@ def test_definitions_load_and_jobs_resolve(defs) -> None:
         "rollouts",
         "ref_logprobs",
         "old_logprobs",
+        "judgements",
         "scored_rollouts",
         "values",
         "advantages",
@@ -57,7 +58,7 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
         k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()
     }
     assert up["rollouts"] == {"prompt_batches"}
-    assert up["scored_rollouts"] == {"rollouts"}
+    assert up["scored_rollouts"] == {"rollouts", "judgements"} and up["judgements"] == {"rollouts"}
     assert up["old_logprobs"] == {"rollouts"}
     assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "old_logprobs"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
@@ -84,6 +85,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "timing_s/rollouts",
         "timing_s/ref_logprobs",
         "timing_s/old_logprobs",
+        "timing_s/judgements",
         "timing_s/scored_rollouts",
         "timing_s/advantages",
         "timing_s/update",
@@ -95,6 +97,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "rollouts",
         "ref_logprobs",
         "old_logprobs",
+        "judgements",
         "scored_rollouts",
         "values",
         "advantages",
@@ -112,9 +115,10 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
 
 
 def test_iteration_job_runs_the_critic_only_for_gae_and_the_reference_only_with_kl() -> None:
-    assert not {"values", "critic_checkpoint", "ref_logprobs"} & _selected()
+    assert not {"values", "critic_checkpoint", "ref_logprobs", "judgements"} & _selected()
     assert {"values", "critic_checkpoint"} <= _selected("algorithm.adv_estimator=gae")
     assert "ref_logprobs" in _selected("actor.use_kl_loss=true")
+    assert "judgements" in _selected("reward.judge.enable=true", "reward.judge.model_path=/any")
 
 
 def test_build_definitions_takes_a_config(tmp_path) -> None:

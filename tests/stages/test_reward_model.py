@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from configs.schema import load_config
-from stages.io.checkpoints import CHECKPOINT_ID
+from stages.io.checkpoints import CHECKPOINT_ID, model_version
 from stages.models.policy import encode_chat, load_tokenizer
 from stages.models.tiny import build_tiny_reward_model
 from stages.reward_model import (
@@ -25,7 +25,6 @@ from stages.reward_model import (
     combine_rm_scores,
     reward_model_group,
     reward_model_scores,
-    reward_model_version,
 )
 from stages.run.preflight import preflight
 from stages.workers.reward_model_worker import RewardModelWorker, rm_input_ids
@@ -84,10 +83,10 @@ def test_tiny_reward_model_is_deterministic_per_seed(tmp_path) -> None:
     assert not np.allclose(sa["rm_score"], sc["rm_score"])
     # rm_version: the same checkpoint rebuilt keeps its digest; another seed (same config.json, same file
     # sizes) gets another one; a checkpoint id wins
-    assert sa["rm_version"].iloc[0] == sb["rm_version"].iloc[0] == reward_model_version(a)
-    assert reward_model_version(a).startswith("sha256:") and sc["rm_version"].iloc[0] != reward_model_version(a)
+    assert sa["rm_version"].iloc[0] == sb["rm_version"].iloc[0] == model_version(a)
+    assert model_version(a).startswith("sha256:") and sc["rm_version"].iloc[0] != model_version(a)
     (b / CHECKPOINT_ID).write_text("rm-ckpt-7\n")
-    assert reward_model_version(b) == "rm-ckpt-7"
+    assert model_version(b) == "rm-ckpt-7"
 
 
 @pytest.mark.ray
@@ -97,9 +96,7 @@ def test_scores_through_ray_are_the_last_tokens_logit(tiny_rm, ray_session) -> N
     df = _rollouts(tiny_rm, 6).sample(frac=1.0, random_state=0).reset_index(drop=True)
     cfg = _cfg(tiny_rm, "rollout.num_workers=2", "reward.reward_model.micro_batch_size=4")
     out = reward_model_scores(cfg, df)
-    assert out["rollout_id"].tolist() == sorted(df["rollout_id"]) and set(out["rm_version"]) == {
-        reward_model_version(tiny_rm)
-    }
+    assert out["rollout_id"].tolist() == sorted(df["rollout_id"]) and set(out["rm_version"]) == {model_version(tiny_rm)}
     by_id = df.set_index("rollout_id")
     for rid in (10, 13):  # an eos-ended row and a truncated one
         row = by_id.loc[rid]

@@ -1,0 +1,141 @@
+"""The judgements stage (LLM-as-judge, reward.judge): a generative judge model reads each rollout's
+question, response and ground truth through reward.judge.prompt_template and writes a verdict; the
+first capture group of reward.judge.score_regex in the verdict is the rollout's judge_score.
+
+Flow: assets/judge.py `judgements` -> `judge_rollouts(cfg, rollouts, questions)`, which builds the judge
+prompts (chat template of the judge's tokenizer), splits them over the run's "judge" worker group —
+RolloutWorkers (stages/workers/rollout_worker.py), the same engine hosts as rollouts (rollout.name: HF or
+vLLM), holding the judge checkpoint for the whole run — and parses the verdicts. The `judgements` table
+keeps every prompt, raw verdict, parsed score and parse error with lineage; the scored_rollouts stage
+combines judge_score with the rule reward (`combine_judge_scores`: replace or add).
+
+A verdict the regex does not match, or whose match is not a number, is a flagged row, not a crash:
+judge_score is null, judge_error says why, and the judge adds nothing to that rollout's reward (replace:
+reward 0; add: the rule reward alone). The count is in the asset's metadata (`judge_unparsed`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from configs.schema import JudgeConfig, RunConfig
+from stages import seeds
+from stages.io.checkpoints import model_version
+from stages.models.engines import SamplingSpec
+from stages.models.policy import encode_chat, load_tokenizer
+from stages.workers.group import call_with_retry, worker_group
+from stages.workers.rollout_worker import RolloutWorker
+from stages.workers.tasks import split_frame
+
+JUDGE_COLUMNS = ("judge_score", "judge_error")
+"""What the judge adds to each scored_rollouts row."""
+
+
+def judge_prompt_texts(rows: pd.DataFrame, template: str) -> list[str]:
+    """reward.judge.prompt_template filled per row: {question} (the user prompt), {response}, {ground_truth}."""
+    return [
+        template.format(question=q, response=r, ground_truth=g)
+        for q, r, g in zip(rows["question"], rows["response_text"], rows["ground_truth"], strict=True)
+    ]
+
+
+def parse_verdict(text: str, score_regex: str) -> tuple[float | None, str | None]:
+    """(score, None) from the first match's first group, or (None, why) when there is no number to read."""
+    match = re.search(score_regex, text)
+    if match is None:
+        return None, f"score_regex {score_regex!r} does not match the judge's output"
+    try:
+        value = float(match.group(1))
+    except ValueError:
+        return None, f"score_regex matched {match.group(1)!r}, which is not a number"
+    if not np.isfinite(value):
+        return None, f"score_regex matched {match.group(1)!r}, which is not finite"
+    return value, None
+
+
+def questions_of(rollouts: pd.DataFrame, prompts: pd.DataFrame | None) -> pd.Series:
+    """Each rollout's question: the content of the last user message of its prompt (prompts table), or the
+    chat-templated prompt_text when the prompts table has no row for it."""
+    text = rollouts["prompt_text"].astype(str)
+    if prompts is None or not len(prompts):
+        return text
+    last_user = {
+        int(pid): next((m["content"] for m in reversed(list(msgs)) if m["role"] == "user"), None)
+        for pid, msgs in zip(prompts["prompt_id"], prompts["prompt"], strict=True)
+    }
+    found = rollouts["prompt_id"].map(lambda pid: last_user.get(int(pid)))
+    return found.where(found.notna(), text)
+
+
+def judge_group(judge: JudgeConfig, engine: str) -> object:
+    """The run's "judge" group: judge.num_workers RolloutWorkers of rollout.name's engine."""
+    return worker_group(
+        RolloutWorker, "judge", judge.num_workers, threads=2 if judge.num_workers == 1 else 1, engine=engine
+    )
+
+
+def judge_rollouts(
+    cfg: RunConfig, rollouts: pd.DataFrame, prompts: pd.DataFrame | None, iteration: int, *, use_ray: bool = True
+) -> pd.DataFrame:
+    """The judgements table rows of an iteration's rollouts: rollout_id, judge_prompt, judge_output,
+    judge_score (null when unparsed), judge_error, judge_model (the checkpoint's identity), by rollout_id."""
+    judge = cfg.reward.judge
+    tok = load_tokenizer(judge.model_path)
+    rows = rollouts.assign(question=questions_of(rollouts, prompts)).sort_values("rollout_id")
+    texts = judge_prompt_texts(rows, judge.prompt_template)
+    batch = pd.DataFrame(
+        {
+            "prompt_id": rows["rollout_id"].to_numpy(),  # the engine seeds a shard by its first prompt_id
+            "prompt_token_ids": [encode_chat(tok, [{"role": "user", "content": t}])[0] for t in texts],
+        }
+    )
+    spec = SamplingSpec(
+        temperature=judge.temperature,
+        max_tokens=judge.max_tokens,
+        n=1,
+        seed=seeds.judge(cfg.rollout.seed, iteration),
+        greedy=judge.temperature == 0.0,
+    )
+    if use_ray:
+        shards = split_frame(batch, min(judge.num_workers, len(batch)))
+        parts = call_with_retry(
+            lambda: judge_group(judge, cfg.rollout.name),
+            lambda g: g.call_each(RolloutWorker.generate, [(judge.model_path, s, spec) for s in shards]),
+        )
+        out = pd.concat(parts, ignore_index=True)
+    else:
+        worker = RolloutWorker(0, 1, 2, engine=cfg.rollout.name)
+        try:
+            out = worker.generate(judge.model_path, batch, spec)
+        finally:
+            worker.close()
+    verdicts = dict(zip(out["prompt_id"], out["response_text"], strict=True))
+    parsed = [parse_verdict(verdicts[int(rid)], judge.score_regex) for rid in rows["rollout_id"]]
+    return pd.DataFrame(
+        {
+            "rollout_id": rows["rollout_id"].to_numpy(),
+            "judge_prompt": texts,
+            "judge_output": [verdicts[int(rid)] for rid in rows["rollout_id"]],
+            "judge_score": [np.nan if s is None else s for s, _ in parsed],
+            "judge_error": [e for _, e in parsed],
+            "judge_model": model_version(judge.model_path),
+        }
+    )
+
+
+def combine_judge_scores(scored: pd.DataFrame, judgements: pd.DataFrame, combine: str) -> pd.DataFrame:
+    """scored_rollouts rows plus judge_score and judge_error; reward = judge_score + overlong_penalty (replace)
+    or reward + judge_score (add); an unparsed verdict adds nothing (replace: 0 + overlong_penalty)."""
+    j = judgements.set_index("rollout_id").loc[scored["rollout_id"], ["judge_score", "judge_error"]]
+    judged = j["judge_score"].to_numpy(dtype=np.float64)
+    contribution = np.nan_to_num(judged, nan=0.0)
+    if combine == "replace":
+        reward = contribution + scored["overlong_penalty"].to_numpy(dtype=np.float64)
+    elif combine == "add":
+        reward = scored["reward"].to_numpy(dtype=np.float64) + contribution
+    else:
+        raise ValueError(f"reward.judge.combine must be 'replace' or 'add', got {combine!r}")
+    return scored.assign(reward=reward, judge_score=judged, judge_error=j["judge_error"].to_numpy())
