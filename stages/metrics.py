@@ -60,7 +60,23 @@ def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[st
         penalty = scored["overlong_penalty"].to_numpy(dtype=np.float64)
         m["reward/overlong_penalty/mean"] = float(penalty.mean())
         m["reward/overlong_penalized_frac"] = float((penalty < 0).mean())
-    return m | probs_diff_metrics(scored, advantages)
+    return m | model_reward_metrics(scored) | probs_diff_metrics(scored, advantages)
+
+
+def model_reward_metrics(scored: pd.DataFrame) -> dict[str, float]:
+    """With a reward model or a judge (their columns hold values): reward/rm_score/{mean,max,min},
+    reward/judge_score/{mean,max,min} over the verdicts read, reward/judge_unparsed_frac, and the rule score
+    they replace or add to, reward/rule_score/mean."""
+    m: dict[str, float] = {}
+    for column in ("rm_score", "judge_score"):
+        values = scored[column].to_numpy(dtype=np.float64) if column in scored else np.zeros(0)
+        if np.isfinite(values).any():
+            m |= _stats(f"reward/{column}", values[np.isfinite(values)])
+    if "judge_error" in scored and ("reward/judge_score/mean" in m or scored["judge_error"].notna().any()):
+        m["reward/judge_unparsed_frac"] = float(scored["judge_error"].notna().mean())
+    if m:
+        m["reward/rule_score/mean"] = float(np.nanmean(scored["score"].to_numpy(dtype=np.float64)))
+    return m
 
 
 def probs_diff_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:

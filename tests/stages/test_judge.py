@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from configs.schema import JudgeConfig, load_config
 from stages.judge import combine_judge_scores, judge_prompt_texts, parse_verdict, questions_of
+from stages.metrics import model_reward_metrics
 from stages.run.preflight import preflight
 
 REGEX = JudgeConfig().score_regex
@@ -106,3 +107,24 @@ def test_preflight_rejects_a_judge_that_is_not_a_causal_lm(tmp_path) -> None:
     cfg = load_config("configs/ci_tiny.yaml", ["reward.judge.enable=true", f"reward.judge.model_path={tmp_path}"])
     with pytest.raises(ValueError, match="reward.judge.model_path"):
         preflight(cfg)
+
+
+def test_iteration_metrics_of_model_rewards_by_hand() -> None:
+    scored = pd.DataFrame(
+        {
+            "score": [1.0, 0.0, 0.0, 1.0],
+            "rm_score": [None, None, None, None],  # no reward model: no rm metrics
+            "judge_score": [1.0, 0.0, np.nan, 0.5],
+            "judge_error": [None, None, "no match", None],
+        }
+    )
+    m = model_reward_metrics(scored)
+    # judge over the 3 read verdicts: mean (1 + 0 + 0.5) / 3 = 0.5, max 1, min 0; 1 of 4 unparsed
+    assert m == {
+        "reward/judge_score/mean": 0.5,
+        "reward/judge_score/max": 1.0,
+        "reward/judge_score/min": 0.0,
+        "reward/judge_unparsed_frac": 0.25,
+        "reward/rule_score/mean": 0.5,
+    }
+    assert model_reward_metrics(scored.drop(columns=["judge_score", "judge_error"])) == {}
