@@ -135,3 +135,22 @@ def timed():
         yield box
     finally:
         box["s"] = time.perf_counter() - t0
+
+
+def model_logprob_table(
+    context, cfg, rollout_store, model_store, ray, *, table: str, model_version: int, compute
+) -> tuple[pd.DataFrame, pd.DataFrame, int, float]:
+    """The body of the assets that run a checkpoint over an iteration's rollouts (ref_logprobs, old_logprobs):
+    read the rollouts at their recorded version, require policy version `model_version` of the run, compute
+    (cfg, rollouts, model_dir) -> rows on Ray, write `table` with the rollouts as upstream. Returns (rollouts,
+    rows, the new Delta version, seconds of compute)."""
+    it = int(context.partition_key)
+    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
+    model_dir = model_store.for_run(cfg.run_id).require(model_version, needed_by=f"{table} of iteration {it}")
+    ray.ensure()
+    with timed() as t:
+        out = compute(cfg, df, model_dir)
+    v = write_table(
+        rollout_store, cfg, table, out, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
+    )
+    return df, out, v, t["s"]

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from assets.common import TRAIN, iterations, read_recorded, timed, write_table
+from assets.common import TRAIN, iterations, model_logprob_table
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from stages.dag import upstream
 from stages.old_logprobs import policy_old_logprobs, probs_gap
@@ -19,23 +19,18 @@ def old_logprobs(
     """Per-token log-probs of every response under the policy that sampled it (version == iteration), on the
     actor workers, which keep that policy resident for the update; and their gap to the engine's."""
     cfg, it = run_config.load(), int(context.partition_key)
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
-    policy_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"old_logprobs of iteration {it}")
-    ray.ensure()
-    with timed() as t:
-        out = policy_old_logprobs(cfg, df, policy_dir)
-    v = write_table(
-        rollout_store,
+    df, out, v, seconds = model_logprob_table(
+        context,
         cfg,
-        "old_logprobs",
-        out,
-        it,
-        policy_version=it,
-        upstream={"rollouts": version},
-        duration_s=t["s"],
+        rollout_store,
+        model_store,
+        ray,
+        table="old_logprobs",
+        model_version=it,
+        compute=policy_old_logprobs,
     )
     engine = df.set_index("rollout_id").loc[out["rollout_id"], "rollout_logprobs"].tolist()
     gap, _, _ = probs_gap(out["old_logprobs"].tolist(), engine)  # over every rollout (ReMax baselines too)
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": t["s"], **gap}
+        metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap}
     )

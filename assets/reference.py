@@ -3,7 +3,7 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, iterations, read_recorded, timed, write_table
+from assets.common import ROLLOUT, iterations, model_logprob_table
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
 from stages.dag import upstream
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
@@ -20,21 +20,16 @@ def ref_logprobs(
     ray: RayResource,
 ) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the reference policy (policy version 0)."""
-    cfg, it = run_config.load(), int(context.partition_key)
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
-    ref_dir = model_store.for_run(cfg.run_id).require(REF_POLICY_VERSION, needed_by=f"ref_logprobs of iteration {it}")
-    ray.ensure()
-    with timed() as t:
-        out = reference_logprobs(cfg, df, ref_dir)
-    v = write_table(
-        rollout_store,
+    cfg = run_config.load()
+    df, out, v, seconds = model_logprob_table(
+        context,
         cfg,
-        "ref_logprobs",
-        out,
-        it,
-        policy_version=it,
-        upstream={"rollouts": version},
-        duration_s=t["s"],
+        rollout_store,
+        model_store,
+        ray,
+        table="ref_logprobs",
+        model_version=REF_POLICY_VERSION,
+        compute=reference_logprobs,
     )
     log_ratio = np.concatenate(
         [
@@ -49,6 +44,6 @@ def ref_logprobs(
             "rollouts": len(out),
             "ref_policy_version": REF_POLICY_VERSION,
             "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0,
-            "ref_s": t["s"],
+            "ref_s": seconds,
         }
     )
