@@ -26,7 +26,7 @@ from stages import seeds
 from stages.io.checkpoints import model_version
 from stages.models.engines import SamplingSpec
 from stages.models.policy import encode_chat, load_tokenizer
-from stages.workers.group import call_with_retry, worker_group
+from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
 
@@ -70,10 +70,10 @@ def questions_of(rollouts: pd.DataFrame, prompts: pd.DataFrame | None) -> pd.Ser
     return found.where(found.notna(), text)
 
 
-def judge_group(judge: JudgeConfig, engine: str) -> object:
+def judge_group(judge: JudgeConfig, engine: str) -> WorkerGroup:
     """The run's "judge" group: judge.num_workers RolloutWorkers of rollout.name's engine."""
     return worker_group(
-        RolloutWorker, "judge", judge.num_workers, threads=2 if judge.num_workers == 1 else 1, engine=engine
+        RolloutWorker, "judge", judge.num_workers, threads=engine_threads(judge.num_workers), engine=engine
     )
 
 
@@ -107,7 +107,7 @@ def judge_rollouts(
         )
         out = pd.concat(parts, ignore_index=True)
     else:
-        worker = RolloutWorker(0, 1, 2, engine=cfg.rollout.name)
+        worker = RolloutWorker(0, 1, engine_threads(1), engine=cfg.rollout.name)
         try:
             out = worker.generate(judge.model_path, batch, spec)
         finally:

@@ -19,7 +19,7 @@ import torch
 
 from configs.schema import RunConfig
 from stages.train.batching import logprob_temperature
-from stages.workers.group import call_with_retry, worker_group
+from stages.workers.group import call_with_retry, engine_threads, worker_group
 from stages.workers.ref_worker import RefWorker
 from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
 
@@ -64,7 +64,7 @@ def compute_ref_logprobs(
         workers = max(1, min(num_workers, len(rollouts)))
         shards = split_frame(rollouts, workers)
         parts = call_with_retry(
-            lambda: worker_group(RefWorker, "ref", workers, threads=2 if workers == 1 else 1, **kwargs),
+            lambda: worker_group(RefWorker, "ref", workers, threads=engine_threads(workers), **kwargs),
             lambda g: g.call_each(RefWorker.compute_ref_log_prob, [(shard,) for shard in shards]),
             retries=MAX_ACTOR_RESTARTS,
         )

@@ -20,7 +20,7 @@ from stages import seeds
 from stages.filter_groups import generate_until_full
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
-from stages.workers.group import WorkerGroup, call_with_retry, worker_group
+from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
 
@@ -40,18 +40,13 @@ def sampling_from_config(
     )
 
 
-def rollout_threads(rollout_cfg: RolloutConfig) -> int:
-    """torch threads per rollout worker: 1 worker on the 2-core default gets 2, more workers 1 each."""
-    return 2 if rollout_cfg.num_workers == 1 else 1
-
-
 def rollout_group(rollout_cfg: RolloutConfig) -> WorkerGroup:
     """The run's "rollout" group (rollout.num_workers RolloutWorkers), created on first use."""
     return worker_group(
         RolloutWorker,
         "rollout",
         rollout_cfg.num_workers,
-        threads=rollout_threads(rollout_cfg),
+        threads=engine_threads(rollout_cfg.num_workers),
         engine=rollout_cfg.name,
         micro_batch_size=rollout_cfg.micro_batch_size,
     )
@@ -60,7 +55,11 @@ def rollout_group(rollout_cfg: RolloutConfig) -> WorkerGroup:
 def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
     """A RolloutWorker in this process (use_ray=False), owned by the caller."""
     return RolloutWorker(
-        0, 1, rollout_threads(rollout_cfg), engine=rollout_cfg.name, micro_batch_size=rollout_cfg.micro_batch_size
+        0,
+        1,
+        engine_threads(rollout_cfg.num_workers),
+        engine=rollout_cfg.name,
+        micro_batch_size=rollout_cfg.micro_batch_size,
     )
 
 

@@ -144,6 +144,11 @@ def _kill_named(name: str) -> None:
         pass
 
 
+def engine_threads(num_workers: int) -> int:
+    """torch threads of each worker of a num_workers group on the 2-core default: one worker gets 2, more 1 each."""
+    return 2 if num_workers == 1 else 1
+
+
 def worker_group(
     worker_cls: type, role: str, num_workers: int, *, threads: int = 1, process_group: bool = False, **init_kwargs: Any
 ) -> WorkerGroup:
