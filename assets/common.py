@@ -1,23 +1,99 @@
-"""Shared pieces of the assets: partitions, groups, lineage metadata, recorded upstream reads."""
+"""Shared pieces of the assets: partitions, groups, lineage metadata, recorded upstream reads.
+
+Partitions keep runs apart: set-up assets are partitioned by run (`runs`, the run id), iteration assets by
+run x iteration (`run_iterations`, key "<iteration>|<run id>" in Dagster's string form), so two runs'
+iteration 3 are two partitions, and the UI's partition view shows one row of iterations per run."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 
 import dagster as dg
 import pandas as pd
 
-from stages.dag import TABLES
+from stages.dag import SETUP, STAGES, TABLES
 from stages.io import store
 from stages.io.tables import PROMPTS_ITERATION
 
+runs = dg.DynamicPartitionsDefinition(name="run")
+"""One partition per rlake run id (set-up assets; the `run` dimension of run_iterations)."""
 iterations = dg.DynamicPartitionsDefinition(name="iteration")
+"""Iteration numbers "0", "1", ... (the `iteration` dimension of run_iterations)."""
+run_iterations = dg.MultiPartitionsDefinition({"run": runs, "iteration": iterations})
+"""The iteration assets' partitions: (run id, iteration)."""
 
 DATA = "DATA"
 ROLLOUT = "ROLLOUT"
 TRAIN = "TRAIN"
 EVAL = "EVAL"
+
+
+def partition_key(run_id: str, iteration: int) -> dg.MultiPartitionKey:
+    """The run_iterations key of iteration `iteration` of run `run_id` (str(): "<iteration>|<run id>")."""
+    return dg.MultiPartitionKey({"run": run_id, "iteration": str(iteration)})
+
+
+def add_partitions(instance: dg.DagsterInstance, run_id: str, iteration: int | None = None) -> None:
+    """Register run `run_id` (and its iteration `iteration`) as partitions, so a run of that partition can launch."""
+    instance.add_dynamic_partitions(runs.name, [run_id])
+    if iteration is not None:
+        instance.add_dynamic_partitions(iterations.name, [str(iteration)])
+
+
+def iteration_of(context) -> int:
+    """The iteration of an iteration asset's partition (run_iterations)."""
+    return int(context.partition_key.keys_by_dimension["iteration"])
+
+
+def asset_deps(name: str) -> list[dg.AssetDep]:
+    """Stage `name`'s Dagster deps (stages/dag.py upstream): an iteration asset depends on a set-up asset
+    (partitioned by run) through the run dimension of its own (run, iteration) partition."""
+    setup = {s.name for s in SETUP}
+    with warnings.catch_warnings():  # beta in Dagster 1.13; the mapping rlake relies on is the documented one
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        by_run = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="run")
+    iteration_stage = name not in setup
+    return [
+        dg.AssetDep(up, partition_mapping=by_run) if iteration_stage and up in setup else dg.AssetDep(up)
+        for up in STAGES[name].upstream
+    ]
+
+
+def check_spec(name: str, *, asset: str, **kwargs) -> dg.AssetCheckSpec:
+    """An asset check of an iteration asset, partitioned like it: each (run, iteration) has its own
+    evaluation, shown per partition in the UI (a Dagster preview feature in 1.13: its warning is silenced here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return dg.AssetCheckSpec(name, asset=asset, partitions_def=run_iterations, **kwargs)
+
+
+def data_version(table: str, version: int) -> dg.DataVersion:
+    """The Dagster data version of a stage that wrote Delta version `version` of `table`: a re-materialization
+    writes a new version, so the downstream assets of that partition show as stale in the UI."""
+    return dg.DataVersion(f"{table}@{int(version)}")
+
+
+def checkpoint_version(kind: str, version: int, context) -> dg.DataVersion:
+    """The data version of a checkpoint asset: the checkpoint version and the Dagster run that wrote it (a
+    re-materialization rewrites policy_v<N> / critic_v<N> in place, so the writer is what changes)."""
+    return dg.DataVersion(f"{kind}_v{version}@run:{context.run_id[:8]}")
+
+
+def outside_dag(cfg, name: str, checks: tuple[str, ...] = ()) -> dg.MaterializeResult | None:
+    """None when a run with `cfg` has stage `name` (stages/dag.py `when`); else what the asset returns instead
+    of computing: the iteration job holds every stage, and a stage the launched config does not use (the
+    critic's without GAE, ref_logprobs without KL, judgements without a judge) writes nothing."""
+    stage = STAGES[name]
+    if stage.when(cfg):
+        return None
+    why = f"not in this run's DAG: {stage.when.__name__} is false for its config ({(stage.when.__doc__ or '').strip()})"
+    return dg.MaterializeResult(
+        metadata={"in_dag": False, "why": why},
+        data_version=dg.DataVersion("not-in-dag"),
+        check_results=[dg.AssetCheckResult(check_name=c, passed=True, metadata={"skipped": why}) for c in checks],
+    )
 
 
 def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, int | None], duration_s: float) -> dict:
@@ -54,7 +130,7 @@ def recorded_version(
     The asset that writes a table has the table's name (stages/dag.py)."""
     if table not in TABLES or not store.table_exists(uri):
         return None
-    partitions = None if iteration == PROMPTS_ITERATION else [str(iteration)]
+    partitions = [run_id if iteration == PROMPTS_ITERATION else str(partition_key(run_id, iteration))]
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(table), asset_partitions=partitions), limit=lookback
     ).records
@@ -144,7 +220,7 @@ def model_logprob_table(
     read the rollouts at their recorded version, require policy version `model_version` of the run, compute
     (cfg, rollouts, model_dir) -> rows on Ray, write `table` with the rollouts as upstream. Returns (rollouts,
     rows, the new Delta version, seconds of compute)."""
-    it = int(context.partition_key)
+    it = iteration_of(context)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(model_version, needed_by=f"{table} of iteration {it}")
     ray.ensure()

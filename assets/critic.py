@@ -8,20 +8,31 @@ never builds one; critic version v scores iteration v, critic_checkpoint of iter
 import dagster as dg
 import numpy as np
 
-from assets.common import TRAIN, iterations, read_recorded, timed, write_table
+from assets.common import (
+    TRAIN,
+    asset_deps,
+    check_spec,
+    checkpoint_version,
+    data_version,
+    iteration_of,
+    outside_dag,
+    read_recorded,
+    run_iterations,
+    timed,
+    write_table,
+)
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
 from stages.critic_update import train_critic
-from stages.dag import upstream
 from stages.train.critic import prune_critics, require_critic
 from stages.values import rollout_values
 
 
 @dg.asset(
-    partitions_def=iterations,
+    partitions_def=run_iterations,
     group_name=TRAIN,
     kinds={"pytorch", "delta"},
-    deps=upstream("values"),
-    check_specs=[dg.AssetCheckSpec("values_finite", asset="values", blocking=True)],
+    deps=asset_deps("values"),
+    check_specs=[check_spec("values_finite", asset="values", blocking=True)],
 )
 def values(
     context: dg.AssetExecutionContext,
@@ -30,7 +41,9 @@ def values(
     model_store: ModelStoreResource,
 ) -> dg.MaterializeResult:
     """Per-token values of the rollouts' responses under critic version == iteration (GAE's baseline)."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
+    if skipped := outside_dag(cfg, "values", checks=("values_finite",)):
+        return skipped
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     with timed() as t:
@@ -49,11 +62,12 @@ def values(
             "values_mean": float(np.nanmean(flat)) if flat.size else 0.0,
             "path": str(critic_dir),
         },
+        data_version=data_version("values", v),
         check_results=[dg.AssetCheckResult(check_name="values_finite", passed=bad == 0, metadata={"non_finite": bad})],
     )
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"pytorch"}, deps=upstream("critic_checkpoint"))
+@dg.asset(partitions_def=run_iterations, group_name=TRAIN, kinds={"pytorch"}, deps=asset_deps("critic_checkpoint"))
 def critic_checkpoint(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
@@ -61,7 +75,9 @@ def critic_checkpoint(
     model_store: ModelStoreResource,
 ) -> dg.MaterializeResult:
     """Critic update (clipped value loss towards the GAE returns); writes critic version iteration+1."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
+    if skipped := outside_dag(cfg, "critic_checkpoint"):
+        return skipped
     adv, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     vals, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
@@ -83,5 +99,6 @@ def critic_checkpoint(
             "pruned_versions": pruned,
             "advantages_version": int(adv_version),
             "values_version": int(values_version),
-        }
+        },
+        data_version=checkpoint_version("critic", it + 1, context),
     )

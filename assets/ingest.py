@@ -3,9 +3,18 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import DATA, TRAIN, read_recorded, timed, write_table
+from assets.common import (
+    DATA,
+    TRAIN,
+    asset_deps,
+    checkpoint_version,
+    data_version,
+    read_recorded,
+    runs,
+    timed,
+    write_table,
+)
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
-from stages.dag import upstream
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.initial_policy import create_initial_policy
 from stages.io.tables import PROMPTS_ITERATION
@@ -14,7 +23,7 @@ from stages.prompts import build_prompt_rows
 from stages.run.resume import save_trainer_state
 
 
-@dg.asset(group_name=DATA, kinds={"delta"})
+@dg.asset(partitions_def=runs, group_name=DATA, kinds={"delta"})
 def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) -> dg.MaterializeResult:
     """The run's dataset in verl's format (train and val splits); one Delta partition per run."""
     cfg = run_config.load()
@@ -31,11 +40,12 @@ def prompts(run_config: RunConfigResource, rollout_store: RolloutStoreResource) 
             "train": counts.get("train", 0),
             "val": counts.get("val", 0),
             "data_sources": sorted(df["data_source"].unique()),
-        }
+        },
+        data_version=data_version("prompts", version),
     )
 
 
-@dg.asset(group_name=TRAIN, kinds={"pytorch"}, deps=upstream("initial_policy"))
+@dg.asset(partitions_def=runs, group_name=TRAIN, kinds={"pytorch"}, deps=asset_deps("initial_policy"))
 def initial_policy(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
@@ -78,4 +88,7 @@ def initial_policy(
         validation=scored,
     )
     save_trainer_state(cfg, out, 0, int((rows["split"] == "train").sum()))
-    return dg.MaterializeResult(metadata={**meta, **val, "path": str(out), "metrics_delta_version": version})
+    return dg.MaterializeResult(
+        metadata={**meta, **val, "path": str(out), "metrics_delta_version": version},
+        data_version=checkpoint_version("policy", 0, context),
+    )

@@ -2,13 +2,25 @@
 
 import dagster as dg
 
-from assets.common import TRAIN, iterations, model_logprob_table
+from assets.common import TRAIN, asset_deps, check_spec, data_version, iteration_of, model_logprob_table, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.dag import upstream
 from stages.old_logprobs import policy_old_logprobs, probs_gap
 
 
-@dg.asset(partitions_def=iterations, group_name=TRAIN, kinds={"ray", "pytorch", "delta"}, deps=upstream("old_logprobs"))
+@dg.asset(
+    partitions_def=run_iterations,
+    group_name=TRAIN,
+    kinds={"ray", "pytorch", "delta"},
+    deps=asset_deps("old_logprobs"),
+    check_specs=[
+        check_spec(
+            "rollout_probs_diff_within_limit",
+            asset="old_logprobs",
+            blocking=False,
+            description="training/rollout_probs_diff_mean <= trainer.max_rollout_probs_diff_mean (warn; null: off)",
+        )
+    ],
+)
 def old_logprobs(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
@@ -18,7 +30,7 @@ def old_logprobs(
 ) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the policy that sampled it (version == iteration), on the
     actor workers, which keep that policy resident for the update; and their gap to the engine's."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     df, out, v, seconds = model_logprob_table(
         context,
         cfg,
@@ -32,5 +44,39 @@ def old_logprobs(
     engine = df.set_index("rollout_id").loc[out["rollout_id"], "rollout_logprobs"].tolist()
     gap, _, _ = probs_gap(out["old_logprobs"].tolist(), engine)  # over every rollout (ReMax baselines too)
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap}
+        metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap},
+        data_version=data_version("old_logprobs", v),
+        check_results=[probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean)],
+    )
+
+
+def probs_gap_check(gap: dict[str, float], limit: float | None) -> dg.AssetCheckResult:
+    """Warn when the engine's sampling probabilities drift from the trainer's (verl's rollout_probs_diff);
+    NaN (no response token counted) passes."""
+    mean = float(gap.get("training/rollout_probs_diff_mean", float("nan")))
+    meta = {
+        "rollout_probs_diff_mean": mean,
+        "rollout_probs_diff_max": float(gap.get("training/rollout_probs_diff_max", float("nan"))),
+    }
+    name = "rollout_probs_diff_within_limit"
+    if limit is None:
+        return dg.AssetCheckResult(check_name=name, passed=True, metadata={**meta, "limit": "off"})
+    passed = not mean > limit
+    why = (
+        ""
+        if passed
+        else (
+            f"the engine's sampling probabilities differ from the trainer's by {mean:.3g} on average "
+            f"(> trainer.max_rollout_probs_diff_mean = {limit:g}): the PPO ratio's denominator no longer matches "
+            "what generated the tokens. Check that the engine got this policy's weights (the "
+            "engine_weights_match_policy check of rollouts), the engine's dtype against the actor's, and "
+            "sampling settings the trainer does not apply; raise the limit if the gap is expected"
+        )
+    )
+    return dg.AssetCheckResult(
+        check_name=name,
+        passed=passed,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=why or None,
+        metadata={**meta, "limit": limit, **({"message": why} if why else {})},
     )

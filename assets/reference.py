@@ -3,14 +3,16 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, iterations, model_logprob_table
+from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.dag import upstream
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
 
 
 @dg.asset(
-    partitions_def=iterations, group_name=ROLLOUT, kinds={"ray", "pytorch", "delta"}, deps=upstream("ref_logprobs")
+    partitions_def=run_iterations,
+    group_name=ROLLOUT,
+    kinds={"ray", "pytorch", "delta"},
+    deps=asset_deps("ref_logprobs"),
 )
 def ref_logprobs(
     context: dg.AssetExecutionContext,
@@ -21,6 +23,8 @@ def ref_logprobs(
 ) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the reference policy (policy version 0)."""
     cfg = run_config.load()
+    if skipped := outside_dag(cfg, "ref_logprobs"):
+        return skipped
     df, out, v, seconds = model_logprob_table(
         context,
         cfg,
@@ -45,5 +49,6 @@ def ref_logprobs(
             "ref_policy_version": REF_POLICY_VERSION,
             "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0,
             "ref_s": seconds,
-        }
+        },
+        data_version=data_version("ref_logprobs", v),
     )

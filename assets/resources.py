@@ -15,7 +15,10 @@ import pandas as pd
 import yaml
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+from pydantic import PrivateAttr, ValidationError
 
+from configs import compose
+from configs.errors import explain_config_error
 from configs.schema import RunConfig
 from stages.io import store
 from stages.io.checkpoints import ModelStore
@@ -30,33 +33,101 @@ from stages.io.tracking import (
 from stages.workers.group import ensure_ray
 
 _PARSED: dict[str, RunConfig] = {}
-"""sha256 of a config's JSON -> its RunConfig: each distinct config is validated once per process."""
+"""sha256 of (config source, run id) -> its RunConfig: each distinct launched config is validated once per process."""
+
+RUN_TAG = "dagster/partition/run"
+"""The tag Dagster gives a run of a run x iteration partition: the rlake run id."""
 
 
-def _digest(config_json: str) -> str:
-    return hashlib.sha256(config_json.encode()).hexdigest()
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def partition_run_id(tags: dict[str, str]) -> str | None:
+    """The rlake run id of a Dagster run's partition: its run dimension (iteration jobs) or the whole key
+    (the set-up job, partitioned by run); None for an unpartitioned run."""
+    if RUN_TAG in tags:
+        return tags[RUN_TAG]
+    key = tags.get("dagster/partition")
+    return key if key is not None and "|" not in key else None
 
 
 class RunConfigResource(dg.ConfigurableResource):
-    """The run's resolved RunConfig (bases, overrides and run id applied) as JSON, parsed once per process.
+    """The run's RunConfig, set when a run is launched (the launchpad, the chaining sensor, `rlake train`).
 
-    `rlake train` and the `dagster dev` code location build it with `of(load_config(...))`, so no asset
-    reads YAML or re-applies overrides; `load()` returns the same RunConfig object on every call."""
+    Either `config_json` (a resolved config: what `rlake train` passes, so every Dagster run records the
+    exact config it ran with) or `config_path` (a YAML file, bases composed, relative to the working
+    directory of the code location: the repository root for `rlake ui`), then `overrides`
+    (`key.sub=value`, values as YAML) on top. The run id is the partition's `run`: a config whose
+    trainer.run_id names another run is refused. Every other resource (tables, checkpoints, MLflow, Ray)
+    and every stage of the run reads this one config (pipelines/resources.py), and the run fails at start
+    with rlake's what/why/fix message when the config does not validate."""
 
-    config_json: str
+    config_path: str = ""
+    overrides: list[str] = []
+    config_json: str = ""
+    _run_id: str | None = PrivateAttr(default=None)
 
     @classmethod
     def of(cls, cfg: RunConfig) -> RunConfigResource:
         """The resource holding `cfg` (this process's `load()` returns `cfg` itself: no second validation)."""
-        config_json = cfg.model_dump_json()
-        _PARSED[_digest(config_json)] = cfg
-        return cls(config_json=config_json)
+        res = cls(config_json=cfg.model_dump_json())
+        _PARSED[res._key(None)] = cfg
+        if cfg.trainer.run_id is not None:  # what a run of its own partition resolves to
+            _PARSED[res._key(cfg.trainer.run_id)] = cfg
+        return res
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """Bind the run id of the launched partition and validate now, so a bad config fails the run at start."""
+        self._run_id = partition_run_id(dict(context.dagster_run.tags)) if context.dagster_run else None
+        self.load()
+
+    def _key(self, run_id: str | None) -> str:
+        return _digest(self.config_json, self.config_path, list(self.overrides), run_id)
 
     def load(self) -> RunConfig:
-        key = _digest(self.config_json)
-        if key not in _PARSED:  # JSON this process did not get from `of` (e.g. edited in the launchpad)
-            _PARSED[key] = RunConfig.model_validate_json(self.config_json)
+        """The validated RunConfig of the launched run (its trainer.run_id = the partition's run)."""
+        key = self._key(self._run_id)
+        if key not in _PARSED:
+            _PARSED[key] = resolve_run_config(
+                self.config_json, self.config_path, list(self.overrides), run_id=self._run_id
+            )
         return _PARSED[key]
+
+
+def resolve_run_config(
+    config_json: str, config_path: str, overrides: list[str], *, run_id: str | None = None
+) -> RunConfig:
+    """The RunConfig of a launch: `config_json` or `config_path` as the base, `overrides` on top, trainer.run_id
+    set to `run_id` (the launched partition's run). What/why/fix ValueError when it does not validate."""
+    if not config_json and not config_path:
+        raise ValueError(
+            "the run_config resource has neither config_path nor config_json: a run needs its rlake config; set "
+            "resources.run_config.config.config_path (e.g. configs/tiny_cpu.yaml) in the launchpad"
+        )
+    try:
+        tree = json.loads(config_json) if config_json else compose.load_tree(config_path, RunConfig)
+        tree = compose.apply_overrides(tree, overrides, RunConfig)
+        compose.check_known_keys(tree, RunConfig)
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise explain_config_error(exc) from None
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"config_path '{config_path}' does not exist ({exc}): the launched run_config resource names its YAML "
+            f"relative to the code location's working directory ({Path.cwd()}); give an absolute path or one "
+            "relative to it, e.g. configs/tiny_cpu.yaml"
+        ) from None
+    if run_id is None:
+        return cfg
+    if cfg.trainer.run_id not in (None, run_id):
+        raise ValueError(
+            f"the launched config says trainer.run_id={cfg.trainer.run_id!r} but the run was launched for partition "
+            f"run={run_id!r}: a run's tables, checkpoints and MLflow run are keyed by its run id, so the two must "
+            f"agree; drop trainer.run_id from the config (the partition names the run) or launch partition "
+            f"run={cfg.trainer.run_id!r}"
+        )
+    return cfg.with_run_id(run_id)
 
 
 class RayResource(dg.ConfigurableResource):

@@ -3,16 +3,25 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import ROLLOUT, iterations, read_recorded, timed, write_table
+from assets.common import (
+    ROLLOUT,
+    asset_deps,
+    check_spec,
+    data_version,
+    iteration_of,
+    read_recorded,
+    run_iterations,
+    timed,
+    write_table,
+)
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.dag import upstream
 from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompt_batch import build_prompt_batch
 from stages.rollout import sample_rollouts
 
 
-@dg.asset(partitions_def=iterations, group_name=ROLLOUT, kinds={"delta"}, deps=upstream("prompt_batches"))
+@dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("prompt_batches"))
 def prompt_batches(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
@@ -20,7 +29,7 @@ def prompt_batches(
     model_store: ModelStoreResource,
 ) -> dg.MaterializeResult:
     """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized (stages/prompt_batch.py)."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     rows, version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     with timed() as t:
         tok = load_tokenizer(model_store.for_run(cfg.run_id).require(0, needed_by="prompt_batches"))
@@ -36,16 +45,26 @@ def prompt_batches(
         duration_s=t["s"],
     )
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())}
+        metadata={"delta_version": v, "prompts": len(batch), "epoch": int(batch["epoch"].max())},
+        data_version=data_version("prompt_batches", v),
     )
 
 
 @dg.asset(
-    partitions_def=iterations,
+    partitions_def=run_iterations,
     group_name=ROLLOUT,
     kinds={"ray", "delta"},
-    deps=upstream("rollouts"),
-    check_specs=[dg.AssetCheckSpec("responses_nonempty", asset="rollouts", blocking=True)],
+    deps=asset_deps("rollouts"),
+    check_specs=[
+        check_spec("responses_nonempty", asset="rollouts", blocking=True),
+        check_spec(
+            "engine_weights_match_policy",
+            asset="rollouts",
+            blocking=True,
+            description="every rollout's engine_weights_fingerprint == the fingerprint of the policy checkpoint "
+            "that should have generated it (weights that never reached the engine stop the iteration)",
+        ),
+    ],
 )
 def rollouts(
     context: dg.AssetExecutionContext,
@@ -56,7 +75,7 @@ def rollouts(
 ) -> dg.MaterializeResult:
     """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs
     (ReMax: plus one greedy baseline response per prompt, is_baseline)."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     batch, version = read_recorded(context, rollout_store, "prompt_batches", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"rollouts of iteration {it}")
     ray.ensure()
@@ -75,23 +94,62 @@ def rollouts(
         duration_s=t["s"],
     )
     empty = int((out["response_length"] == 0).sum())
-    tokens = int(out["response_length"].sum())
     return dg.MaterializeResult(
-        metadata={
-            "delta_version": v,
-            "rollouts": len(out),
-            "engine": out["engine"].iloc[0],
-            "engine_sync": ",".join(sorted(set(out["engine_sync"]))),
-            "response_tokens": tokens,
-            "tokens_per_s": tokens / max(t["s"], 1e-9),
-            "generate_s": t["s"],
-            "gen_rounds": int(out["gen_round"].nunique()),
-            "baseline_rollouts": int(out["is_baseline"].sum()) if "is_baseline" in out else 0,  # ReMax greedy rows
-            "samples": dg.MetadataValue.md(_sample_md(out)),
-        },
+        metadata={"delta_version": v, **rollout_metadata(out, t["s"])},
+        data_version=data_version("rollouts", v),
         check_results=[
-            dg.AssetCheckResult(check_name="responses_nonempty", passed=empty == 0, metadata={"empty_responses": empty})
+            dg.AssetCheckResult(
+                check_name="responses_nonempty", passed=empty == 0, metadata={"empty_responses": empty}
+            ),
+            weights_check(out, model_store.for_run(cfg.run_id).policy_fingerprint(it), it),
         ],
+    )
+
+
+def rollout_metadata(out: pd.DataFrame, seconds: float) -> dict:
+    """The rollouts asset's metadata: counts, engine, throughput (floats Dagster plots) and sample responses."""
+    tokens = int(out["response_length"].sum())
+    return {
+        "rollouts": len(out),
+        "engine": out["engine"].iloc[0],
+        "engine_sync": ",".join(sorted(set(out["engine_sync"]))),
+        "response_tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "response_length_mean": float(out["response_length"].mean()) if len(out) else 0.0,
+        "generate_s": seconds,
+        "gen_rounds": int(out["gen_round"].nunique()),
+        "baseline_rollouts": int(out["is_baseline"].sum()) if "is_baseline" in out else 0,  # ReMax greedy rows
+        "samples": dg.MetadataValue.md(_sample_md(out)),
+    }
+
+
+def weights_check(out: pd.DataFrame, expected: str, version: int) -> dg.AssetCheckResult:
+    """Blocking gate: the engines generated with policy version `version`'s weights. Each rollout row carries the
+    fingerprint its engine read from its own weights after its last load (stages/models/fingerprint.py);
+    `expected` is that of the checkpoint. A row without one counts as a mismatch (the engine did not say)."""
+    seen = out["engine_weights_fingerprint"].fillna("<none>")
+    bad = seen != expected
+    counts = seen.value_counts().to_dict()
+    why = ""
+    if bad.any():
+        why = (
+            f"{int(bad.sum())} of {len(out)} rollouts were generated with weights whose fingerprint "
+            f"({', '.join(sorted(set(seen[bad])))}) is not policy version {version}'s ({expected}): the engine did "
+            "not get the weights it was synced to (a skipped or failed weight sync), so these rollouts are "
+            "off-policy samples of another model. The iteration stops here; look at the rollouts' engine_sync "
+            "column and the engine's log, then re-materialize rollouts for this partition"
+        )
+    return dg.AssetCheckResult(
+        check_name="engine_weights_match_policy",
+        passed=not bad.any(),
+        description=why or None,
+        metadata={
+            "policy_version": version,
+            "checkpoint_fingerprint": expected,
+            "engine_fingerprints": dg.MetadataValue.json({str(k): int(v) for k, v in counts.items()}),
+            "mismatched_rollouts": int(bad.sum()),
+            **({"message": why} if why else {}),
+        },
     )
 
 

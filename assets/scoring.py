@@ -3,21 +3,33 @@
 import dagster as dg
 import numpy as np
 
-from assets.common import ROLLOUT, TRAIN, iterations, read_if, read_recorded, timed, write_table
+from assets.common import (
+    ROLLOUT,
+    TRAIN,
+    asset_deps,
+    check_spec,
+    data_version,
+    iteration_of,
+    read_if,
+    read_recorded,
+    run_iterations,
+    timed,
+    write_table,
+)
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
-from stages.dag import upstream, uses_critic, uses_judge, uses_reference
+from stages.dag import uses_critic, uses_judge, uses_reference
 from stages.judge import combine_judge_scores
 from stages.reward import score_rollouts
 from stages.reward_model import combine_rm_scores, reward_model_scores
 
 
 @dg.asset(
-    partitions_def=iterations,
+    partitions_def=run_iterations,
     group_name=ROLLOUT,
     kinds={"ray", "delta"},
-    deps=upstream("scored_rollouts"),
-    check_specs=[dg.AssetCheckSpec("rewards_finite", asset="scored_rollouts", blocking=True)],
+    deps=asset_deps("scored_rollouts"),
+    check_specs=[check_spec("rewards_finite", asset="scored_rollouts", blocking=True)],
 )
 def scored_rollouts(
     context: dg.AssetExecutionContext,
@@ -27,7 +39,7 @@ def scored_rollouts(
 ) -> dg.MaterializeResult:
     """Rollouts with rule-based rewards by data_source (or reward.custom_reward_function's, its extra keys as
     columns), each row's reward_version recorded; re-materialize to re-score without regenerating."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     judged, judged_version = read_if(uses_judge(cfg), context, rollout_store, "judgements", cfg.run_id, it)
     ray.ensure()
@@ -56,7 +68,9 @@ def scored_rollouts(
             "rollouts": len(scored),
             "reward_fns": sorted(scored["reward_fn"].unique()),
             "reward_versions": sorted(scored["reward_version"].dropna().unique()),
+            "reward_histogram": dg.MetadataValue.md(reward_histogram_md(scored["reward"])),
         },
+        data_version=data_version("scored_rollouts", v),
         check_results=[
             dg.AssetCheckResult(
                 check_name="rewards_finite",
@@ -69,17 +83,17 @@ def scored_rollouts(
 
 
 @dg.asset(
-    partitions_def=iterations,
+    partitions_def=run_iterations,
     group_name=TRAIN,
     kinds={"pytorch", "delta"},
-    deps=upstream("advantages"),
-    check_specs=[dg.AssetCheckSpec("advantages_finite", asset="advantages", blocking=True)],
+    deps=asset_deps("advantages"),
+    check_specs=[check_spec("advantages_finite", asset="advantages", blocking=True)],
 )
 def advantages(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource
 ) -> dg.MaterializeResult:
     """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
     values, values_version = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
     ref, ref_version = read_if(uses_reference(cfg), context, rollout_store, "ref_logprobs", cfg.run_id, it)
@@ -111,5 +125,25 @@ def advantages(
             "kept_groups": int(adv["group_id"].nunique()),
             "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0,
         },
+        data_version=data_version("advantages", v),
         check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)],
     )
+
+
+def reward_histogram_md(rewards, bins: int = 10) -> str:
+    """A text histogram of the partition's rewards for the asset page (Markdown table: bin, count, bar);
+    non-finite rewards (reward.on_error=flag) are counted apart."""
+    r = np.asarray(rewards, dtype=np.float64)
+    finite = r[np.isfinite(r)]
+    lines = ["| reward | count | |", "|---|---:|---|"]
+    if finite.size:
+        lo, hi = float(finite.min()), float(finite.max())
+        counts, edges = np.histogram(
+            finite, bins=bins if hi > lo else 1, range=(lo, hi) if hi > lo else (lo - 0.5, lo + 0.5)
+        )
+        top = max(int(counts.max()), 1)
+        for c, a, b in zip(counts, edges[:-1], edges[1:], strict=True):
+            lines.append(f"| [{a:.3g}, {b:.3g}) | {int(c)} | {'#' * max(round(20 * int(c) / top), 1 if c else 0)} |")
+    if finite.size < r.size:
+        lines.append(f"| non-finite | {r.size - finite.size} | |")
+    return "\n".join(lines)

@@ -6,15 +6,20 @@ import pandas as pd
 from assets.common import (
     EVAL,
     TRAIN,
-    iterations,
+    asset_deps,
+    check_spec,
+    checkpoint_version,
+    data_version,
+    iteration_of,
     read_if,
     read_recorded,
+    run_iterations,
     train_prompt_count,
     upstream_version,
     write_table,
 )
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
-from stages.dag import ITERATION, upstream, uses_critic
+from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.store import commit_lineage, table_exists
 from stages.io.tables import PROMPTS_ITERATION
@@ -26,12 +31,12 @@ from stages.update import run_update, update_request
 
 
 @dg.asset(
-    partitions_def=iterations,
+    partitions_def=run_iterations,
     group_name=TRAIN,
     kinds={"ray", "pytorch"},
-    deps=upstream("policy_checkpoint"),
+    deps=asset_deps("policy_checkpoint"),
     check_specs=[
-        dg.AssetCheckSpec(
+        check_spec(
             "ppo_kl_within_limit",
             asset="policy_checkpoint",
             blocking=True,
@@ -48,7 +53,7 @@ def policy_checkpoint(
 ) -> dg.MaterializeResult:
     """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer
     state) and its trainer_state.json (stages.run.resume), whether `rlake train` or the UI launched the run."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     ms = model_store.for_run(cfg.run_id)
     adv_version = upstream_version(context, rollout_store, "advantages", cfg.run_id, it)
     out_dir = ms.policy_dir(it + 1)
@@ -75,6 +80,7 @@ def policy_checkpoint(
             "advantages_version": int(adv_version),
             "pruned_versions": pruned,
         },
+        data_version=checkpoint_version("policy", it + 1, context),
         check_results=[kl_check],
     )
 
@@ -105,7 +111,9 @@ def ppo_kl_check(metrics: dict[str, float], limit: float | None, it: int) -> dg.
     )
 
 
-@dg.asset(partitions_def=iterations, group_name=EVAL, kinds={"delta", "mlflow"}, deps=upstream("iteration_metrics"))
+@dg.asset(
+    partitions_def=run_iterations, group_name=EVAL, kinds={"delta", "mlflow"}, deps=asset_deps("iteration_metrics")
+)
 def iteration_metrics(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
@@ -115,7 +123,7 @@ def iteration_metrics(
     ray: RayResource,
 ) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
-    cfg, it = run_config.load(), int(context.partition_key)
+    cfg, it = run_config.load(), iteration_of(context)
     scored, s_v = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
     adv, a_v = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
@@ -146,7 +154,8 @@ def iteration_metrics(
             "delta_version": v,
             **{k: m[k] for k in SUMMARY_METRICS if k in m},
             **{k: v for k, v in m.items() if k.startswith("val-core/")},
-        }
+        },
+        data_version=data_version("iteration_metrics", v),
     )
 
 
@@ -155,10 +164,16 @@ SUMMARY_METRICS = (
     "critic/vf_loss",
     "actor/pg_loss",
     "actor/pg_clipfrac",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/reward_kl_penalty",
+    "training/rollout_probs_diff_mean",
     "response_length/mean",
     "timing_s/step",
 )
-"""The iteration_metrics asset's metadata (Dagster UI), besides val-core/*; every metric goes to Delta and MLflow."""
+"""The iteration_metrics asset's metadata (Dagster UI, plotted across partitions on the asset's Plots tab),
+besides val-core/*; every metric goes to Delta and MLflow."""
 
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:

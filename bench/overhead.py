@@ -68,9 +68,9 @@ def measure(config: str, steps: int, overrides: list[str]) -> dict:
     metrics = DeltaTable(str(out / "tables" / "iteration_metrics")).to_pandas()
     per_iteration = {}
     for run in runs:
-        partition = run.tags.get("dagster/partition")
+        partition = run.tags.get("dagster/partition/iteration")
         if partition is None:
-            continue  # the set-up run
+            continue  # the set-up run (partition: the run id alone)
         it = int(partition)
         wall, steps_wall = _step_walls(instance, run.run_id)
         m = metrics[(metrics["run_id"] == res["run_id"]) & (metrics["iteration"] == it)]

@@ -1,9 +1,11 @@
 """The one Definitions of rlake: `build_definitions(cfg)` for a RunConfig; `defs` for `dagster dev`.
 
 Importing this module builds nothing. `rlake train` calls `build_definitions` with the RunConfig it
-parsed; `dagster dev` / `rlake ui` (workspace.yaml) load `defs`, a lazy `@dg.definitions` function that
-parses the config of the UI's code location once: RLAKE_CONFIG (default by RL_ENV: "local"
-configs/tiny_cpu.yaml, "ci" configs/ci_tiny.yaml) plus RLAKE_OVERRIDES (`key.sub=value;key=value`).
+parsed; `dagster dev` / `rlake ui` (workspace.yaml) load `defs`, a lazy `@dg.definitions` function whose
+launch-time default config is RLAKE_CONFIG (default by RL_ENV: "local" configs/tiny_cpu.yaml, "ci"
+configs/ci_tiny.yaml) plus RLAKE_OVERRIDES (`key.sub=value;key=value`), validated once at load. The
+Definitions do not depend on that config: every run uses the config it was launched with (the launchpad's
+resources.run_config), and the sensor carries it to the next iteration.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dagster as dg
 
 from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, training
 from configs.schema import RunConfig, load_config
-from pipelines.jobs import make_iteration_job, setup_job
+from pipelines.jobs import iteration_job, setup_job
 from pipelines.resources import build_resources
 from pipelines.sensors import make_next_iteration_sensor
 from stages.dag import ITERATION, SETUP
@@ -45,28 +47,44 @@ def _assets_in_dag_order() -> list[dg.AssetsDefinition]:
 ASSETS = _assets_in_dag_order()
 
 
-def build_definitions(cfg: RunConfig) -> dg.Definitions:
-    """Assets, jobs (the iteration job selects the stages `cfg` has), the chaining sensor and the resources
-    of run `cfg`."""
-    iteration_job = make_iteration_job(cfg)
+def build_definitions(
+    cfg: RunConfig | None = None, *, config_path: str = "", overrides: list[str] | tuple[str, ...] = ()
+) -> dg.Definitions:
+    """Assets, the set-up and iteration jobs, the chaining sensor and the resources; the run_config resource's
+    launch-time default is `cfg` (resolved), else `config_path` + `overrides`."""
+    resources = build_resources(cfg, config_path=config_path, overrides=overrides)
+    defaults = (
+        {"config_json": cfg.model_dump_json()}
+        if cfg is not None
+        else {"config_path": config_path, "overrides": list(overrides)}
+    )
     return dg.Definitions(
         assets=ASSETS,
         jobs=[setup_job, iteration_job],
-        sensors=[make_next_iteration_sensor(cfg.trainer.total_training_steps, iteration_job)],
-        resources=build_resources(cfg),
+        sensors=[make_next_iteration_sensor(defaults, iteration_job)],
+        resources=resources,
     )
 
 
-def ui_config() -> RunConfig:
-    """The RunConfig of the `dagster dev` code location: RLAKE_CONFIG (or RL_ENV's default) + RLAKE_OVERRIDES."""
+def ui_source() -> tuple[str, list[str]]:
+    """The `dagster dev` code location's default config: (RLAKE_CONFIG or RL_ENV's default, RLAKE_OVERRIDES)."""
     env = os.getenv("RL_ENV", "local")
     if env not in CONFIG_BY_ENV:
         raise ValueError(f"RL_ENV='{env}' is not a known environment. Valid: {sorted(CONFIG_BY_ENV)}")
     path = os.getenv("RLAKE_CONFIG", str(ROOT / CONFIG_BY_ENV[env]))
-    return load_config(path, [o for o in os.getenv("RLAKE_OVERRIDES", "").split(";") if o])
+    return str(Path(path).resolve()), [o for o in os.getenv("RLAKE_OVERRIDES", "").split(";") if o]
+
+
+def ui_config() -> RunConfig:
+    """The RunConfig of the `dagster dev` code location's default (ui_source), validated."""
+    path, overrides = ui_source()
+    return load_config(path, overrides)
 
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    """What `dagster dev -w workspace.yaml` loads (each code-server and run process calls it once)."""
-    return build_definitions(ui_config())
+    """What `dagster dev -w workspace.yaml` loads (each code-server and run process calls it once); a broken
+    default config fails the code location's load, not a run."""
+    ui_config()
+    path, overrides = ui_source()
+    return build_definitions(config_path=path, overrides=overrides)

@@ -19,10 +19,12 @@ import dagster as dg
 import numpy as np
 import pandas as pd
 
+from assets.common import add_partitions, partition_key
 from configs.schema import RunConfig
 from pipelines.definitions import ASSETS
 from pipelines.resources import build_resources
-from pipelines.runner import QUIET, dagster_home
+from pipelines.runner import dagster_home, launch_config
+from pipelines.sensors import DRIVER_TAG
 from stages.dag import uses_judge
 from stages.io.store import commit_lineage, read_partition, table_exists
 
@@ -99,7 +101,7 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
     old = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=before)
     dagster_home(cfg.trainer.output_dir)
     instance = dg.DagsterInstance.get()
-    instance.add_dynamic_partitions("iteration", [str(iteration)])
+    add_partitions(instance, cfg.run_id, iteration)
     selection = [
         *(["judgements"] if uses_judge(cfg) else []),  # a (new) judge judges the recorded rollouts again
         "scored_rollouts",
@@ -108,11 +110,11 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
     dg.materialize(
         ASSETS,
         selection=selection,
-        partition_key=str(iteration),
+        partition_key=partition_key(cfg.run_id, iteration),
         instance=instance,
         resources=build_resources(cfg),
-        run_config=QUIET,
-        tags={"rlake/run_id": cfg.run_id, "rlake/rescore": "true"},
+        run_config=launch_config(cfg),
+        tags={"rlake/run_id": cfg.run_id, "rlake/rescore": "true", DRIVER_TAG: "cli"},
     )
     after = scored_partition_version(tables, cfg.run_id, iteration)
     new = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=after)

@@ -2,7 +2,9 @@
 
 The runner only sequences jobs: everything a run leaves behind (tables, checkpoints, each checkpoint's
 trainer_state.json, MLflow metrics) is written by the assets, so an iteration launched from the Dagster
-UI leaves the same files as one run by `rlake train`.
+UI leaves the same files as one run by `rlake train`. Each job run is launched like a UI launch: on the
+run's partition (run, or run x iteration), with the resolved config as the run_config resource's launch
+config (so the Dagster run records it), and the stages of that config.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.common import add_partitions, partition_key
 from configs.errors import load_run_config
 from configs.schema import RunConfig
 from pipelines.definitions import build_definitions
-from pipelines.jobs import ITERATION_JOB, SETUP_JOB
+from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
 from pipelines.progress import RunProgress, plain
+from pipelines.resources import tables_root, tracker_for
+from pipelines.sensors import DRIVER_TAG
 from stages.io.checkpoints import ModelStore
 from stages.run.preflight import preflight
 from stages.run.resume import ResumePlan, plan_resume
@@ -43,9 +48,10 @@ def dagster_home(output_dir: str) -> Path:
     return home
 
 
-def with_run_id(cfg: RunConfig, run_id: str) -> RunConfig:
-    """`cfg` with trainer.run_id = run_id (a copy; the run id takes part in no validation, so none is re-run)."""
-    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
+def launch_config(cfg: RunConfig) -> dict:
+    """The Dagster run config of a run of `cfg`: quiet console logs and the resolved config as the run_config
+    resource's launch config (what the run's page in the UI shows)."""
+    return {**QUIET, "resources": {"run_config": {"config": {"config_json": cfg.model_dump_json()}}}}
 
 
 def run_training(
@@ -69,13 +75,13 @@ def run_training(
     progress.phase("preflight", "data and model inputs")
     preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
     plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
-    cfg = with_run_id(cfg, plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = cfg.with_run_id(plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     dagster_home(cfg.trainer.output_dir)
     progress.phase("dagster", "instance and definitions")
     defs = build_definitions(cfg)
     instance = dg.DagsterInstance.get()
     _start(cfg, plan, instance, progress)
-    tracker = defs.resources["tracker"]
+    tracker = tracker_for(cfg)
     t0 = time.perf_counter()
     try:
         setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
@@ -86,9 +92,8 @@ def run_training(
         _end_mlflow_run(tracker, cfg.run_id, "FAILED", progress)
         raise
     _end_mlflow_run(tracker, cfg.run_id, "FINISHED", progress)  # also a --steps stop short of the last iteration
-    out = Path(cfg.trainer.output_dir).resolve()
     progress.line(
-        f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {out / 'tables'}; "
+        f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {tables_root(cfg)}; "
         f"MLflow: {tracker.tracking_uri} (experiment {cfg.trainer.project_name}, run {cfg.run_id})"
     )
     return {
@@ -137,19 +142,31 @@ def _run_jobs(
 ) -> tuple[dict, list[dict]]:
     """The set-up job (when the plan says so), then one iteration job per iteration up to `steps`
     (default trainer.total_training_steps); returns (initial_policy's metadata, iteration_metrics' per iteration)."""
-    tags = {"rlake/run_id": cfg.run_id}
+    tags = {"rlake/run_id": cfg.run_id, DRIVER_TAG: "cli", "rlake/config_hash": cfg.config_hash()}
+    run_config = launch_config(cfg)
     setup: dict = {}
     history = []
+    add_partitions(instance, cfg.run_id)
     if plan.run_setup:
         t0 = time.perf_counter()
-        setup = _metadata(_execute(defs.resolve_job_def(SETUP_JOB), instance, progress, tags=tags), "initial_policy")
+        job = defs.resolve_job_def(SETUP_JOB)
+        res = _execute(job, instance, progress, tags=tags, run_config=run_config, partition=cfg.run_id)
+        setup = _metadata(res, "initial_policy")
         progress.line(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
     total = cfg.trainer.total_training_steps if steps is None else steps
     progress.start_iterations(plan.start_iteration, total)
     for it in range(plan.start_iteration, total):
         t1 = time.perf_counter()
-        instance.add_dynamic_partitions("iteration", [str(it)])
-        res = _execute(defs.resolve_job_def(ITERATION_JOB), instance, progress, tags=tags, partition_key=str(it))
+        add_partitions(instance, cfg.run_id, it)
+        res = _execute(
+            defs.resolve_job_def(ITERATION_JOB),
+            instance,
+            progress,
+            tags=tags,
+            run_config=run_config,
+            partition=partition_key(cfg.run_id, it),
+            asset_selection=iteration_asset_keys(cfg),
+        )
         history.append(_metadata(res, "iteration_metrics"))
         progress.iteration_done(it, time.perf_counter() - t1, _fmt_items(history[-1], ""))
     return setup, history
@@ -163,12 +180,19 @@ def _end_mlflow_run(tracker, run_id: str, status: str, progress: RunProgress) ->
         progress.line(f"could not mark MLflow run {run_id} {status}: {exc}")
 
 
-def _execute(job, instance, progress: RunProgress, *, tags: dict, partition_key: str | None = None):
-    """One in-process Dagster run, its steps shown by `progress` as they start."""
+def _execute(
+    job, instance, progress: RunProgress, *, tags: dict, run_config: dict, partition: str, asset_selection=None
+):
+    """One in-process Dagster run of one partition, its steps shown by `progress` as they start."""
     dagster_run_id = str(uuid.uuid4())
     with progress.follow(instance, dagster_run_id):
         return job.execute_in_process(
-            instance=instance, tags=tags, run_config=QUIET, partition_key=partition_key, run_id=dagster_run_id
+            instance=instance,
+            tags=tags,
+            run_config=run_config,
+            partition_key=partition,
+            asset_selection=asset_selection,
+            run_id=dagster_run_id,
         )
 
 

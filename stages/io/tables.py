@@ -38,6 +38,9 @@ ROLLOUT_FIELDS = [
     pa.field("engine", pa.string()),
     # how the engine got this policy's weights: build (new engine), in_place (weights reloaded), cached
     pa.field("engine_sync", pa.string()),
+    # stages.models.fingerprint of the weights the engine held after that sync (read from the engine's model);
+    # differs from fingerprint_checkpoint(policy_version's dir) when the new weights never reached the engine
+    pa.field("engine_weights_fingerprint", pa.string()),
     pa.field("gen_round", pa.int32()),  # DAPO dynamic sampling: generation round (0 without it)
     # ReMax: the greedy response of a prompt (sample_index -1), its reward is the group's baseline; never trained on
     pa.field("is_baseline", pa.bool_()),

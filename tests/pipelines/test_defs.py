@@ -27,8 +27,8 @@ def defs() -> dg.Definitions:
 
 
 def _selected(*overrides: str) -> set[str]:
-    job = build_definitions(load_config(CI, list(overrides))).resolve_job_def(ITERATION_JOB)
-    return {k.to_user_string() for k in job.asset_layer.selected_asset_keys}
+    """The iteration assets a launch of this config materializes (rlake train and the sensor select them)."""
+    return set(iteration_assets(load_config(CI, list(overrides))))
 
 
 def test_definitions_load_and_jobs_resolve(defs) -> None:
@@ -121,12 +121,44 @@ def test_iteration_job_runs_the_critic_only_for_gae_and_the_reference_only_with_
     assert "judgements" in _selected("reward.judge.enable=true", "reward.judge.model_path=/any")
 
 
+def test_the_iteration_job_holds_every_stage_whatever_the_load_time_config() -> None:
+    """The launched config, not the code location's, decides which stages run (jobs.py)."""
+    for overrides in ((), ("algorithm.adv_estimator=gae", "actor.use_kl_loss=true")):
+        job = build_definitions(load_config(CI, list(overrides))).resolve_job_def(ITERATION_JOB)
+        assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == {s.name for s in dag.ITERATION}
+
+
 def test_build_definitions_takes_a_config(tmp_path) -> None:
     cfg = load_config(CI, [f"trainer.output_dir={tmp_path}", "trainer.run_id=given"])
     d = build_definitions(cfg)
-    assert d.resources["rollout_store"].root == str(tmp_path / "tables")
-    assert d.resources["tracker"].tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert d.resources["run_config"].load() is cfg  # the parsed config itself: no second parse in this process
+    with dg.build_resources(d.resources) as res:
+        assert res.rollout_store.root == str(tmp_path / "tables")
+        assert res.model_store.root == str(tmp_path / "checkpoints")
+        assert res.tracker.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+        assert res.run_config.load() == cfg
+
+
+def test_launch_time_config_reaches_every_resource(tmp_path) -> None:
+    """A launch-time config (the launchpad's resources.run_config) replaces the load-time one for every
+    resource of the run, not just run_config."""
+    d = build_definitions(config_path=str(ROOT / CI), overrides=[f"trainer.output_dir={tmp_path / 'a'}"])
+    launched = {"run_config": {"config": {"overrides": [f"trainer.output_dir={tmp_path / 'b'}", "rollout.n=8"]}}}
+    with dg.build_resources(d.resources, resource_config=launched) as res:
+        assert res.rollout_store.root == str(tmp_path / "b" / "tables")
+        assert res.tracker.tracking_uri == f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+        assert res.run_config.load().rollout.n == 8
+
+
+def test_a_bad_launch_config_fails_with_what_why_fix() -> None:
+    from assets.resources import resolve_run_config
+
+    with pytest.raises(ValueError, match=r"unknown config key 'rollout.nn'.*did you mean 'rollout.n'"):
+        resolve_run_config("", str(ROOT / CI), ["rollout.nn=2"])
+    with pytest.raises(ValueError, match=r"trainer.run_id='a'.*partition run='b'.*drop trainer.run_id"):
+        resolve_run_config("", str(ROOT / CI), ["trainer.run_id=a"], run_id="b")
+    with pytest.raises(ValueError, match=r"config_path 'nope.yaml' does not exist.*absolute path"):
+        resolve_run_config("", "nope.yaml", [])
+    assert resolve_run_config("", str(ROOT / CI), [], run_id="b").run_id == "b"
 
 
 def test_run_config_resource_parses_its_json_once_per_process() -> None:
@@ -167,18 +199,53 @@ def test_next_iteration_chain() -> None:
     assert next_iteration("other_job", "0", 3) is None
 
 
-def test_sensor_requests_next_partition(tmp_path) -> None:
-    """Evaluate the real run-status sensor against a real (ephemeral) instance and a finished run."""
+def _sensor_result(tmp_path, instance, run_config: dict, tags: dict, asset_selection=None):
+    d = build_definitions(config_path=str(ROOT / CI), overrides=[f"trainer.output_dir={tmp_path}"])
+    sensor = d.get_sensor_def("next_iteration_sensor")
+    job = d.resolve_job_def(ITERATION_JOB)
+    if asset_selection is not None:
+        job = job.get_subset(asset_selection=set(asset_selection))
+    run = instance.create_run_for_job(job, tags=tags, run_config=run_config, asset_selection=asset_selection)
+    ctx = dg.build_run_status_sensor_context(
+        sensor_name=sensor.name, dagster_instance=instance, dagster_run=run, dagster_event=_success_event(run)
+    )
+    return sensor(ctx)
+
+
+def test_sensor_launches_the_next_iteration_of_the_same_run_with_the_launched_config(tmp_path) -> None:
+    """Evaluate the real run-status sensor against a real (ephemeral) instance and a finished run that was
+    launched with a launch-time config change (rollout.n, and GAE: the critic's stages)."""
+    launched = {"resources": {"run_config": {"config": {"overrides": ["rollout.n=8", "algorithm.adv_estimator=gae"]}}}}
+    tags = {"dagster/partition": "0|run-a", "dagster/partition/run": "run-a", "dagster/partition/iteration": "0"}
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
-        d = build_definitions(load_config(CI, [f"trainer.output_dir={tmp_path}"]))
-        sensor = d.get_sensor_def("next_iteration_sensor")
-        run = instance.create_run_for_job(d.resolve_job_def(ITERATION_JOB), tags={"dagster/partition": "0"})
-        ctx = dg.build_run_status_sensor_context(
-            sensor_name=sensor.name, dagster_instance=instance, dagster_run=run, dagster_event=_success_event(run)
+        result = _sensor_result(tmp_path, instance, launched, tags)
+        assert isinstance(result, dg.RunRequest)
+        assert result.partition_key == "1|run-a" and result.run_config == launched
+        assert [k.to_user_string() for k in result.asset_selection] == iteration_assets(
+            load_config(CI, ["algorithm.adv_estimator=gae"])
         )
-        result = sensor(ctx)
-        assert isinstance(result, dg.RunRequest) and result.partition_key == "1"
-        assert "1" in instance.get_dynamic_partitions("iteration")
+        assert "values" in {k.to_user_string() for k in result.asset_selection}
+        assert result.tags["rlake/run_id"] == "run-a" and result.tags["rlake/driver"] == "sensor"
+        assert "1" in instance.get_dynamic_partitions("iteration") and "run-a" in instance.get_dynamic_partitions("run")
+        # the launched config's total_training_steps, not the load-time one, ends the chain
+        short = {"resources": {"run_config": {"config": {"overrides": ["trainer.total_training_steps=1"]}}}}
+        assert isinstance(_sensor_result(tmp_path, instance, short, tags), dg.SkipReason)
+
+
+def test_sensor_does_not_chain_after_a_partial_rematerialization(tmp_path) -> None:
+    tags = {"dagster/partition/run": "r", "dagster/partition/iteration": "0"}
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        result = _sensor_result(
+            tmp_path, instance, {}, tags, asset_selection=frozenset({dg.AssetKey("scored_rollouts")})
+        )
+        assert isinstance(result, dg.SkipReason) and "re-score" in result.skip_message
+
+
+def test_sensor_leaves_runs_of_rlake_train_alone(tmp_path) -> None:
+    tags = {"dagster/partition/run": "r", "dagster/partition/iteration": "0", "rlake/driver": "cli"}
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        result = _sensor_result(tmp_path, instance, {}, tags)
+        assert isinstance(result, dg.SkipReason) and "rlake CLI" in result.skip_message
 
 
 def _success_event(run):

@@ -41,10 +41,12 @@ def _materialize(
 
     cfg = load_config(CONFIG, [f"trainer.output_dir={out}", f"trainer.run_id={run_id}", *overrides])
     resources = build_resources(cfg)
+    instance.add_dynamic_partitions("run", [run_id])
+    instance.add_dynamic_partitions("iteration", ["0"])
     return dg.materialize(
         ASSETS,
         selection=[asset] if isinstance(asset, str) else asset,
-        partition_key="0",
+        partition_key=str(dg.MultiPartitionKey({"run": run_id, "iteration": "0"})),
         instance=instance,
         resources=resources,
         raise_on_error=raise_on_error,

@@ -22,17 +22,19 @@ RUN = "ui-run"
 def test_a_ui_launched_run_writes_trainer_state(tmp_path, monkeypatch, ray_session) -> None:
     import pipelines.definitions
 
-    overrides = [f"trainer.output_dir={tmp_path / 'out'}", f"trainer.run_id={RUN}"]
+    overrides = [f"trainer.output_dir={tmp_path / 'out'}"]  # the partition names the run
     monkeypatch.setenv("RLAKE_CONFIG", CI)
     monkeypatch.setenv("RLAKE_OVERRIDES", ";".join(overrides))
     defs = pipelines.definitions.defs()  # what `dagster dev -w workspace.yaml` loads
     (tmp_path / "dagster_home").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
-        assert defs.resolve_job_def(SETUP_JOB).execute_in_process(instance=instance).success
+        instance.add_dynamic_partitions("run", [RUN])
+        assert defs.resolve_job_def(SETUP_JOB).execute_in_process(instance=instance, partition_key=RUN).success
         instance.add_dynamic_partitions("iteration", ["0"])
-        assert defs.resolve_job_def(ITERATION_JOB).execute_in_process(instance=instance, partition_key="0").success
+        key = dg.MultiPartitionKey({"run": RUN, "iteration": "0"})
+        assert defs.resolve_job_def(ITERATION_JOB).execute_in_process(instance=instance, partition_key=key).success
 
-    cfg = load_config(CI, overrides)
+    cfg = load_config(CI, [*overrides, f"trainer.run_id={RUN}"])
     prompts = store.read_partition(str(tmp_path / "out" / "tables" / "prompts"), RUN, -1, columns=["split"])
     n_train = int((prompts["split"] == "train").sum())
     ckpts = tmp_path / "out" / "checkpoints" / RUN

@@ -82,6 +82,7 @@ def _table_rows(df: pd.DataFrame) -> pd.DataFrame:
         finish_reason="stop",
         engine="hf",
         engine_sync="build",
+        engine_weights_fingerprint="0123456789abcdef",
     )
 
 
