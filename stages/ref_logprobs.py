@@ -20,6 +20,7 @@ import torch
 from configs.schema import RunConfig
 from stages.train.batching import logprob_temperature
 from stages.workers.group import call_with_retry, engine_threads, worker_group
+from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.ref_worker import RefWorker
 from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
 
@@ -35,6 +36,8 @@ def reference_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, ref_dir: str | Pa
         micro_batch_size=cfg.actor.ppo_micro_batch_size,
         num_workers=cfg.rollout.num_workers,
         temperature=logprob_temperature(cfg.rollout.temperature),
+        param_dtype=cfg.actor.mixed_precision.param_dtype,
+        gpus=GpuPool.of(cfg.trainer),
     )
 
 
@@ -46,10 +49,13 @@ def compute_ref_logprobs(
     num_workers: int = 1,
     use_ray: bool = True,
     temperature: float = 1.0,
+    param_dtype: str = "float32",
+    gpus: GpuPool = CPU_ONLY,
 ) -> pd.DataFrame:
     """Rows of the ref_logprobs table (rollout_id, policy_version, ref_policy_version, ref_logprobs),
     sorted by rollout_id; one list per rollout, as long as its response.
 
+    param_dtype: the forward's compute dtype (the actor's, so KL terms compare like with like).
     use_ray=False computes in this process (a RefWorker at this process's thread count); a killed ref
     worker is replaced and the call retried up to MAX_ACTOR_RESTARTS times."""
     if not len(rollouts):
@@ -59,12 +65,13 @@ def compute_ref_logprobs(
         "ref_policy_version": REF_POLICY_VERSION,
         "micro_batch_size": micro_batch_size,
         "temperature": temperature,
+        "param_dtype": param_dtype,
     }
     if use_ray:
         workers = max(1, min(num_workers, len(rollouts)))
         shards = split_frame(rollouts, workers)
         parts = call_with_retry(
-            lambda: worker_group(RefWorker, "ref", workers, threads=engine_threads(workers), **kwargs),
+            lambda: worker_group(RefWorker, "ref", workers, threads=engine_threads(workers), gpus=gpus, **kwargs),
             lambda g: g.call_each(RefWorker.compute_ref_log_prob, [(shard,) for shard in shards]),
             retries=MAX_ACTOR_RESTARTS,
         )

@@ -39,6 +39,7 @@ from stages.models.policy import load_tokenizer
 from stages.models.smollm2 import resolve_model_path
 from stages.models.tiny import build_char_tokenizer
 from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.placement import GpuPool
 from stages.workers.reward_model_worker import RewardModelWorker
 from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
 
@@ -99,7 +100,14 @@ def _worker_kwargs(cfg: RunConfig) -> dict:
 def reward_model_group(cfg: RunConfig, num_workers: int, kwargs: dict | None = None) -> WorkerGroup:
     """The run's "reward_model" group of num_workers ranks: created on first use, then found by name."""
     kwargs = kwargs or _worker_kwargs(cfg)
-    return worker_group(RewardModelWorker, ROLE, num_workers, threads=engine_threads(num_workers), **kwargs)
+    return worker_group(
+        RewardModelWorker,
+        ROLE,
+        num_workers,
+        threads=engine_threads(num_workers),
+        gpus=GpuPool.of(cfg.trainer),
+        **kwargs,
+    )
 
 
 def reward_model_scores(cfg: RunConfig, rollouts: pd.DataFrame, *, use_ray: bool = True) -> pd.DataFrame:

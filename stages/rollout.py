@@ -21,6 +21,7 @@ from stages.filter_groups import generate_until_full
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
 from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
 
@@ -40,15 +41,18 @@ def sampling_from_config(
     )
 
 
-def rollout_group(rollout_cfg: RolloutConfig) -> WorkerGroup:
-    """The run's "rollout" group (rollout.num_workers RolloutWorkers), created on first use."""
+def rollout_group(rollout_cfg: RolloutConfig, gpus: GpuPool = CPU_ONLY) -> WorkerGroup:
+    """The run's "rollout" group (rollout.num_workers RolloutWorkers), created on first use; on a GPU pool
+    rank i shares GPU i with the trainer (stages.workers.placement)."""
     return worker_group(
         RolloutWorker,
         "rollout",
         rollout_cfg.num_workers,
         threads=engine_threads(rollout_cfg.num_workers),
+        gpus=gpus,
         engine=rollout_cfg.name,
         micro_batch_size=rollout_cfg.micro_batch_size,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
     )
 
 
@@ -60,6 +64,7 @@ def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
         engine_threads(rollout_cfg.num_workers),
         engine=rollout_cfg.name,
         micro_batch_size=rollout_cfg.micro_batch_size,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
     )
 
 
@@ -74,18 +79,20 @@ def generate_rollouts(
     n: int | None = None,
     use_ray: bool = True,
     local_worker: RolloutWorker | None = None,
+    gpus: GpuPool = CPU_ONLY,
 ) -> pd.DataFrame:
     """Generate over prompt_batch (prompt_id, prompt_token_ids, ...); one row per (prompt, sample) with
     rollout_id = position in (prompt_id, sample_index) order.
 
     With use_ray, contiguous shards go to the ranks of the "rollout" group (a killed worker: the group is
     rebuilt and the call retried once); else `local_worker` generates in this process (a fresh one,
-    closed afterwards, when none is given)."""
+    closed afterwards, when none is given). gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default
+    is a CPU run."""
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
     if use_ray:
         shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
         parts = call_with_retry(
-            lambda: rollout_group(rollout_cfg),
+            lambda: rollout_group(rollout_cfg, gpus),
             lambda g: g.call_each(RolloutWorker.generate, [(model_dir, shard, spec) for shard in shards]),
         )
         out = pd.concat(parts, ignore_index=True)
@@ -134,6 +141,7 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             rollout_cfg=cfg.rollout,
             max_tokens=cfg.data.max_response_length,
             seed=seeds.rollout(cfg.rollout.seed, iteration, r),
+            gpus=GpuPool.of(cfg.trainer),
         )
 
     fg = cfg.algorithm.filter_groups
@@ -163,5 +171,6 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             seed=seeds.rollout(cfg.rollout.seed, iteration),
             greedy=True,
             n=1,
+            gpus=GpuPool.of(cfg.trainer),
         ),
     )

@@ -21,6 +21,7 @@ from stages.io.checkpoints import atomic_write_text
 from stages.train.batching import logprob_temperature
 from stages.workers.actor_worker import METRICS_FILE, ActorWorker
 from stages.workers.group import WorkerGroup, call_with_retry, worker_group
+from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.requests import UpdateRequest
 
 
@@ -46,21 +47,25 @@ def update_request(
         seed=seeds.update(cfg.seed, iteration),
         temperature=logprob_temperature(cfg.rollout.temperature),
         checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}",
+        gpus=GpuPool.of(cfg.trainer),
     )
 
 
 def actor_group(req: UpdateRequest) -> WorkerGroup:
     """The run's "actor" group for this request (rebuilt when the worker count, threads or strategy change)."""
-    return actor_workers(req.actor, req.threads_per_worker)
+    return actor_workers(req.actor, req.threads_per_worker, req.gpus)
 
 
-def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None) -> WorkerGroup:
+def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None, gpus: GpuPool = CPU_ONLY) -> WorkerGroup:
     """The run's "actor" group for actor.num_workers and actor.strategy: the update's and, before it, the
-    old_logprobs stage's (stages/old_logprobs.py), so both find the same processes and resident policy.
+    old_logprobs stage's (stages/old_logprobs.py), so both find the same processes and resident policy (both
+    must pass the same gpus, the run's GPU pool, or the group is rebuilt).
     threads_per_worker None: the ranks share the cluster's CPUs (1 rank on 2 cores gets 2, 2 ranks 1 each)."""
     n = actor.num_workers
     threads = threads_per_worker or max(1, int(ray.cluster_resources().get("CPU", 1)) // n)
-    return worker_group(ActorWorker, "actor", n, threads=threads, process_group=True, strategy=actor.strategy)
+    return worker_group(
+        ActorWorker, "actor", n, threads=threads, process_group=True, gpus=gpus, strategy=actor.strategy
+    )
 
 
 def run_update(req: UpdateRequest) -> dict[str, float]:

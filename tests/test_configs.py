@@ -158,6 +158,7 @@ def test_defaults_entries_are_names_with_an_optional_final_self(tmp_path: Path) 
         ("actor_rollout_ref.actor.optim.lr", "actor.optim.lr", "3e-4"),
         ("actor_rollout_ref.actor.kl_loss_coef", "actor.kl_loss_coef", "0.01"),
         ("actor_rollout_ref.model.path", "model.path", "/ckpt/qwen"),
+        ("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", "0.4"),
     ],
 )
 def test_verl_override_equals_the_rlake_key(verl: str, rlake: str, value: str) -> None:
@@ -185,7 +186,7 @@ def test_verl_names_in_a_yaml_file(tmp_path: Path) -> None:
         ("actor.optm.lr", "did you mean 'actor.optim.lr'?"),
         ("ppo_mini_batch", "did you mean 'actor.ppo_mini_batch_size'?"),
         ("critic.optim.lrr", "did you mean 'critic.optim.lr'?"),
-        ("actor_rollout_ref.rollout.gpu_memory_utilization", "maps to rlake's rollout.*, which has no such key"),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", "maps to rlake's rollout.*, which has no such key"),
         ("actor_rollout_ref.ref.log_prob_micro_batch_size", "actor_rollout_ref.ref.* has no rlake counterpart"),
     ],
 )

@@ -3,6 +3,8 @@
 Version v is the policy that generates iteration v's rollouts; iteration i's update writes v=i+1.
 Also the one atomic write of rlake (`atomic_dir`, `atomic_write_text`) and the optimizer state stored
 beside a checkpoint (`save_optimizer_state`, `load_optimizer_state`; stages.train.optim restores it).
+`ModelStore.policy_fingerprint` / `fingerprint_checkpoint` (stages.models.fingerprint): a version's weights
+fingerprint, compared with the rollout rows' engine_weights_fingerprint.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from stages.models.fingerprint import fingerprint_checkpoint
+
 _VERSION_RE = re.compile(r"^policy_v(\d+)$")
 
 
@@ -30,6 +34,12 @@ class ModelStore:
     def critic_dir(self, version: int) -> Path:
         """Critic (PPO with GAE) version `version`: it scores iteration `version`'s rollouts (stages.train.critic)."""
         return self.dir / f"critic_v{version}"
+
+    def policy_fingerprint(self, version: int, *, dtype: str | None = None) -> str:
+        """fingerprint_checkpoint of policy version `version` (a few KiB read): what a rollout row's
+        engine_weights_fingerprint equals when that version's weights reached the engine. dtype: the
+        engine's weight dtype when it holds fewer bits than the checkpoint (stages/models/fingerprint.py)."""
+        return fingerprint_checkpoint(self.require(version, needed_by="the weights-fingerprint check"), dtype=dtype)
 
     def versions(self) -> list[int]:
         if not self.dir.is_dir():
@@ -116,9 +126,10 @@ def save_optimizer_state(ckpt_dir: str | Path, optimizer_state: dict, scheduler_
 
 
 def load_optimizer_state(ckpt_dir: str | Path) -> dict | None:
-    """{"optimizer", "scheduler"} state dicts stored beside a checkpoint, None when it has none (version 0)."""
+    """{"optimizer", "scheduler"} state dicts stored beside a checkpoint, None when it has none (version 0); the
+    tensors on the CPU (a GPU run's state loads anywhere; Optimizer.load_state_dict moves it to the params)."""
     path = Path(ckpt_dir) / OPTIMIZER_FILE
-    return torch.load(path, weights_only=False) if path.is_file() else None
+    return torch.load(path, weights_only=False, map_location="cpu") if path.is_file() else None
 
 
 def checkpoint_identity(model_dir: str | Path) -> tuple[str, str, str]:

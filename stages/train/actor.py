@@ -1,6 +1,7 @@
 """Torch policy-optimization backend: PPO-clip epochs over mini-batches with micro-batch
-gradient accumulation (stages.train.ppo_loop), data parallel over a torch.distributed (gloo) group
-when one exists.
+gradient accumulation (stages.train.ppo_loop), data parallel over a torch.distributed (gloo, or NCCL
+on GPUs) group when one exists. Every batch tensor is moved to the model's device (a trainer rank's
+cuda:0 on a GPU run, stages.workers.placement), so the same code trains on the CPU or a GPU.
 
 Runs without Ray (unit tests call `ppo_update` directly); the policy update runs it on every rank of the
 run's persistent gloo worker group. The PPO ratio's old log-probs are the old_logprobs stage's (verl's
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from stages.algos.losses import GlobalBatch, gather_logprobs
-from stages.train.batching import actor_batch, response_logits, select_rows
+from stages.train.batching import actor_batch, model_device, response_logits, select_rows, to_device
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, mean_over_workers, ppo_loop
 
@@ -28,13 +29,17 @@ def _world_size() -> int:
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch: dict, micro_batch_size: int, temperature: float = 1.0) -> Tensor:
-    """Log-probs of the response tokens under `model` at `temperature`: (N, L)."""
+def compute_logprobs(
+    model, batch: dict, micro_batch_size: int, temperature: float = 1.0, *, param_dtype: str = "float32"
+) -> Tensor:
+    """Float32 log-probs of the response tokens under `model` at `temperature`, its forward computed at
+    param_dtype (stages.train.precision): (N, L)."""
     out = []
-    n = batch["input_ids"].shape[0]
+    n, device = batch["input_ids"].shape[0], model_device(model)
     for s in range(0, n, micro_batch_size):
-        mb = select_rows(batch, torch.arange(s, min(s + micro_batch_size, n)))
-        out.append(gather_logprobs(response_logits(model, mb, temperature), mb["responses"]))
+        mb = to_device(select_rows(batch, torch.arange(s, min(s + micro_batch_size, n))), device)
+        logits = response_logits(model, mb, temperature, param_dtype=param_dtype)  # (n_mb, L, V)
+        out.append(gather_logprobs(logits, mb["responses"]))
     return torch.cat(out)
 
 
@@ -50,6 +55,7 @@ def ppo_update(
     pad_id: int,
     seed: int = 0,
     ddp_model=None,
+    no_sync=None,
     temperature: float = 1.0,
 ) -> dict[str, float]:
     """One iteration's policy optimization on this worker's share of the batch.
@@ -58,7 +64,10 @@ def ppo_update(
         rows: prompt_token_ids (list of N lists), response_token_ids (N lists), advantages (N,)
             float tensor, optional ref_logprobs and old_logprobs (N lists each). N is this worker's rollouts; they are
             split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
-        ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module).
+        ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module); None for a
+            model that syncs its own gradients (FSDP's fully_shard, stages.train.fsdp).
+        no_sync: a context manager deferring the gradient reduction to the mini-batch's last micro-batch;
+            default DDP's ddp_model.no_sync (FSDP: stages.train.fsdp.no_grad_sync(model)).
         temperature: logits are divided by it for old/new log-probs and the entropy (verl: the
             rollout's sampling temperature, so the PPO ratio compares the distributions that sampled).
     Returns:
@@ -66,22 +75,24 @@ def ppo_update(
     """
     world = _world_size()
     train_model = ddp_model or model
-    batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss)
+    batch = to_device(actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss), model_device(model))
     n = batch["input_ids"].shape[0]
     mb_size = actor_cfg.ppo_micro_batch_size
+    param_dtype = actor_cfg.mixed_precision.param_dtype
     if "old_logprobs" not in batch:  # rows without the old_logprobs stage's (unit tests): recompute them
         model.eval()
-        batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature)
+        batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature, param_dtype=param_dtype)
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // world
     assert n % per_worker_mini == 0, f"{n=} rollouts not divisible into mini-batches of {per_worker_mini}"
     metrics = MetricAccumulator()
 
     def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:
-        logits = response_logits(train_model, mb, temperature)  # (n_mb, L, V)
+        logits = response_logits(train_model, mb, temperature, param_dtype=param_dtype)  # (n_mb, L, V)
         return actor_loss(logits, mb, actor_cfg, global_batch)
 
-    no_sync = ddp_model.no_sync if ddp_model is not None else None
+    if no_sync is None and ddp_model is not None:
+        no_sync = ddp_model.no_sync
     ppo_loop(
         n,
         mini_batch_size=per_worker_mini,

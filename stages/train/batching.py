@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from stages.train.precision import autocast
+
 
 def pad_rollouts(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
@@ -53,21 +55,37 @@ def tempered(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def response_logits(model, batch: dict[str, Tensor], temperature: float = 1.0) -> Tensor:
-    """Logits predicting each response token, divided by `temperature`: (N, L, V).
+def response_logits(
+    model, batch: dict[str, Tensor], temperature: float = 1.0, *, param_dtype: str = "float32"
+) -> Tensor:
+    """Float32 logits predicting each response token, divided by `temperature`: (N, L, V).
 
+    param_dtype: the forward's compute dtype (actor.mixed_precision.param_dtype; stages.train.precision):
+    'bfloat16' runs it under autocast and upcasts the logits to float32 before the temperature.
     Only the last L+1 positions go through the LM head (`logits_to_keep`): with a vocabulary of
     50k and long prompts, full-sequence float32 logits (and their gradients) were most of a
     trainer's memory."""
     l_len = batch["responses"].shape[1]
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        logits_to_keep=l_len + 1,
-    )
-    return tempered(out.logits[:, :l_len], temperature)  # positions P-1 .. P+L-2: (N, L, V)
+    with autocast(param_dtype, batch["input_ids"].device):
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=l_len + 1,
+        )
+    return tempered(out.logits[:, :l_len].float(), temperature)  # positions P-1 .. P+L-2: (N, L, V)
+
+
+def to_device(batch: dict, device: torch.device | str) -> dict:
+    """The batch with every tensor on `device` (the model's: a worker's cuda:0 on GPUs); other entries as they
+    are. On the CPU the tensors themselves are returned, not copies."""
+    return {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
+
+
+def model_device(model) -> torch.device:
+    """The device of a model's parameters (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def select_rows(batch: dict, idx: Tensor) -> dict:

@@ -41,7 +41,7 @@ from stages.algos.losses import GlobalBatch
 from stages.algos.masking import masked_mean, masked_var
 from stages.io.checkpoints import OPTIMIZER_FILE, atomic_dir, save_optimizer_state
 from stages.models.policy import load_tokenizer
-from stages.train.batching import pad_rollouts, ragged_to_padded, select_rows
+from stages.train.batching import model_device, pad_rollouts, ragged_to_padded, select_rows, to_device
 from stages.train.optim import CRITIC_GRAD_ERROR, clip_grads, make_optimizer, restore_optimizer
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, critic_loss, ppo_loop
 
@@ -174,7 +174,7 @@ def response_values(model, batch: dict) -> Tensor:
 @torch.no_grad()
 def compute_values(model, prompts, responses, pad_id: int, micro_batch_size: int) -> list[list[float]]:
     """Per-token values of each rollout's response tokens: N lists of len(response) floats."""
-    batch = pad_rollouts(prompts, responses, pad_id)
+    batch = to_device(pad_rollouts(prompts, responses, pad_id), model_device(model))
     n = batch["input_ids"].shape[0]
     vals = torch.cat(
         [
@@ -186,10 +186,18 @@ def compute_values(model, prompts, responses, pad_id: int, micro_batch_size: int
 
 
 def values_frame(
-    rollouts: pd.DataFrame, critic_dir: str | Path, *, critic_version: int, micro_batch_size: int, threads: int = 1
+    rollouts: pd.DataFrame,
+    critic_dir: str | Path,
+    *,
+    critic_version: int,
+    micro_batch_size: int,
+    threads: int = 1,
+    device: torch.device | str = "cpu",
 ) -> pd.DataFrame:
-    """Rows of the `values` table: rollout_id, critic_version, values (one float per response token)."""
+    """Rows of the `values` table: rollout_id, critic_version, values (one float per response token), computed
+    on `device` (the critic worker's)."""
     model, tok = load_critic(critic_dir)
+    model.to(device)
     with torch_threads(threads):
         vals = compute_values(
             model,
@@ -221,6 +229,7 @@ def critic_update(
     n, width = batch["responses"].shape
     batch["old_values"] = ragged_to_padded(rows["values"], width) * batch["response_mask"]  # (N, L)
     batch["returns"] = ragged_to_padded(rows["returns"], width) * batch["response_mask"]  # (N, L)
+    batch = to_device(batch, model_device(model))
     mini_size, micro = critic_cfg.ppo_mini_batch_size * n_per_prompt, critic_cfg.ppo_micro_batch_size
     assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
     metrics = MetricAccumulator()
@@ -277,9 +286,12 @@ def run_critic_update(
     n_per_prompt: int,
     seed: int,
     threads: int = 1,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Load critic version v (and its optimizer state), update it on `rows`, write version v+1 to out_dir."""
+    """Load critic version v (and its optimizer state) onto `device`, update it on `rows`, write version v+1 to
+    out_dir."""
     model, tok = load_critic(critic_dir)
+    model.to(device)
     opt, sched = make_optimizer(model, critic_cfg.optim)
     restore_optimizer(opt, sched, critic_dir)
     torch.manual_seed(seed)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from stages.io.checkpoints import load_optimizer_state, save_optimizer_state
 
@@ -64,9 +65,11 @@ def restore_optimizer(
 
 
 def clip_grads(model, clip: float) -> Tensor:
-    """Global-norm gradient clipping over the parameters that got a gradient (clip <= 0: measure only)."""
+    """Global-norm gradient clipping over the parameters that got a gradient (clip <= 0: measure only).
+    FSDP's sharded gradients (DTensors) give a DTensor norm over all shards; it is returned as a plain tensor."""
     params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def optimizer_step(optimizer, scheduler, grad_norm: Tensor, add, *, prefix: str, error: str) -> None:

@@ -51,12 +51,20 @@ class MetricAccumulator:
         return {k: self.sums[k] / self.counts[k] for k in sorted(self.sums)}
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: the current CUDA device under NCCL (it reduces CUDA tensors
+    only), the CPU under gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def mean_over_workers(metrics: dict[str, float], world: int, group=None) -> dict[str, float]:
     """Each metric averaged over the `world` ranks of a torch.distributed group (default: the whole group)."""
     if world <= 1:
         return metrics
     keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, group=group)
     return {k: float(v) / world for k, v in zip(keys, t, strict=True)}
 
@@ -113,6 +121,7 @@ def mini_batch_counts(response_mask: Tensor, dp_size: int = 1, group=None) -> Gl
     tokens and non-empty rows summed over the dp_size data-parallel ranks of `group` (a collective)."""
     counts = torch.tensor([float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum())], dtype=torch.float64)
     if dp_size > 1:
+        counts = counts.to(collective_device(group))
         dist.all_reduce(counts, group=group)
     return GlobalBatch(float(counts[0]), float(counts[1]), dp_size)
 

@@ -11,6 +11,10 @@ request.out_dir, atomically.
   the load when its input checkpoint is that one (same directory, same checkpoint id) and loads from
   disk otherwise (a re-materialized or replayed iteration, a resumed run). Either way the update is the
   same function of the checkpoint on disk.
+- fsdp (actor.strategy='fsdp'): the same `ppo_update` on a model sharded with torch's FSDP2 `fully_shard`
+  (stages.train.fsdp) instead of DDP, kept resident as torch's; rank 0 writes the torch backend's checkpoint
+  from the gathered shards. `compute_log_prob` loads the HF checkpoint whole, as megatron's does (a sharded
+  forward is a collective, and the ranks' shards of rollouts differ in size).
 - `compute_log_prob` (verl's name; the old_logprobs stage, stages/old_logprobs.py): before the update,
   the ranks recompute the log-probs of the iteration's responses under policy version `iteration`. The
   torch backend computes them with the resident policy, or loads it and keeps it resident, so the update
@@ -47,6 +51,7 @@ from stages.io.store import read_partition
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import pad_rollouts
+from stages.train.fsdp import gather_checkpoint, no_grad_sync, shard_policy
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
 from stages.train.megatron.cpu_patches import apply_cpu_patches
 from stages.train.megatron.model import build_gpt_model, hf_arch
@@ -59,6 +64,7 @@ from stages.train.megatron.state import (
 )
 from stages.train.optim import make_optimizer, restore_optimizer
 from stages.workers.group import Worker
+from stages.workers.placement import collective_backend
 from stages.workers.requests import UpdateRequest
 
 METRICS_FILE = "update_metrics.json"
@@ -149,25 +155,34 @@ def resident_id(policy_dir: str | Path) -> str | None:
     return checkpoint_identity(policy_dir)[1] or None
 
 
-def load_resident(policy_dir: str, optim: OptimConfig) -> ResidentPolicy:
-    """The policy at policy_dir with a fresh optimizer holding the optimizer state stored beside it."""
+def load_resident(
+    policy_dir: str, optim: OptimConfig, device: torch.device | str = "cpu", strategy: str = "torch"
+) -> ResidentPolicy:
+    """The policy at policy_dir on `device` (the rank's) with a fresh optimizer holding the optimizer state
+    stored beside it; strategy 'fsdp': sharded over the ranks (a collective, stages.train.fsdp)."""
     ident = resident_id(policy_dir)  # before the load: a checkpoint rewritten meanwhile is not taken for this one
     model, tok = load_policy(policy_dir)
-    opt, sched = make_optimizer(model, optim)
-    restore_optimizer(opt, sched, policy_dir)
+    model.to(device)
+    if strategy == "fsdp":
+        model, opt, sched = shard_policy(model, optim, policy_dir)
+    else:
+        opt, sched = make_optimizer(model, optim)
+        restore_optimizer(opt, sched, policy_dir)
     return ResidentPolicy(str(Path(policy_dir).resolve()), ident, optim, model, opt, sched, tok)
 
 
-def old_logprob_rows(model, pad_id: int, rows: pd.DataFrame, micro_batch_size: int, temperature: float) -> pd.DataFrame:
+def old_logprob_rows(
+    model, pad_id: int, rows: pd.DataFrame, micro_batch_size: int, temperature: float, param_dtype: str = "float32"
+) -> pd.DataFrame:
     """Rows (rollout_id, policy_version, old_logprobs) of `rows`' rollouts in their order: the log-probs of each
     response token under `model` at `temperature`, padded as the update pads (pad_rollouts) and micro-batched
-    by the update's compute_logprobs."""
+    by the update's compute_logprobs, at the update's compute dtype param_dtype."""
     out: list[list[float]] = []
     if len(rows):
         responses = [list(map(int, r)) for r in rows["response_token_ids"]]
         batch = pad_rollouts([list(map(int, p)) for p in rows["prompt_token_ids"]], responses, pad_id)
         model.eval()
-        logprobs = compute_logprobs(model, batch, micro_batch_size, temperature)  # (n, L)
+        logprobs = compute_logprobs(model, batch, micro_batch_size, temperature, param_dtype=param_dtype)  # (n, L)
         out = [logprobs[i, : len(r)].tolist() for i, r in enumerate(responses)]
     return pd.DataFrame(
         {
@@ -198,14 +213,17 @@ class ActorWorker(Worker):
                 f"an actor.strategy='{actor.strategy}' compute_log_prob reached a '{self.strategy}' "
                 "ActorWorker; build the actor group with strategy=actor.strategy"
             )
-        if self.strategy == "megatron":
+        if self.strategy in ("megatron", "fsdp"):  # fsdp: sharded forwards are collectives, the shards' sizes differ
             model, tok = load_policy(policy_dir)
+            model.to(self.device)
         else:
             if self.resident is None or not self.resident.holds(policy_dir, actor.optim):
                 self.resident = None  # frees a stale policy before the load
-                self.resident = load_resident(policy_dir, actor.optim)
+                self.resident = load_resident(policy_dir, actor.optim, self.device)
             model, tok = self.resident.model, self.resident.tokenizer
-        return old_logprob_rows(model, tok.pad_token_id, rows, actor.ppo_micro_batch_size, temperature)
+        return old_logprob_rows(
+            model, tok.pad_token_id, rows, actor.ppo_micro_batch_size, temperature, actor.mixed_precision.param_dtype
+        )
 
     def update(self, req: UpdateRequest) -> dict[str, float]:
         """One PPO update of req.policy_dir on this rank's rows; rank 0 writes req.out_dir. Returns this
@@ -216,7 +234,7 @@ class ActorWorker(Worker):
                 "ActorWorker; build the actor group with strategy=req.actor.strategy"
             )
         if self.strategy == "megatron":
-            return megatron_update(req)
+            return megatron_update(req, self.device)
         return self._torch_update(req)
 
     def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
@@ -230,8 +248,10 @@ class ActorWorker(Worker):
         self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
         from_disk = res is None
         if res is None:
-            res = load_resident(req.policy_dir, req.actor.optim)
-        ddp = DistributedDataParallel(res.model) if self.world > 1 else None
+            res = load_resident(req.policy_dir, req.actor.optim, self.device, self.strategy)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        fsdp = self.strategy == "fsdp"
+        ddp = DistributedDataParallel(res.model, device_ids=device_ids) if self.world > 1 and not fsdp else None
         rows = read_rows(req, self.rank, self.world)
         t_load = time.perf_counter() - t0
         metrics = ppo_update(
@@ -244,17 +264,20 @@ class ActorWorker(Worker):
             pad_id=res.tokenizer.pad_token_id,
             seed=req.seed,
             ddp_model=ddp,
+            no_sync=(lambda: no_grad_sync(res.model)) if fsdp else None,
             temperature=req.temperature,
         )
         metrics["timing_s/update_load"] = t_load
         metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
         metrics["actor/weights_loaded_from_disk"] = float(from_disk)
+        # fsdp: whole weights and optimizer state gathered to rank 0 (a collective), in the torch backend's format
+        model, opt_state = gather_checkpoint(res.model, res.optimizer) if fsdp else (res.model, None)
         if self.rank == 0:
             write_checkpoint(
                 req.out_dir,
-                res.model,
+                model,
                 res.tokenizer,
-                res.optimizer.state_dict(),
+                opt_state or res.optimizer.state_dict(),
                 res.scheduler.state_dict(),
                 metrics,
                 req.checkpoint_id,
@@ -266,23 +289,25 @@ class ActorWorker(Worker):
         return metrics
 
 
-def _ensure_process_group() -> bool:
-    """A one-process gloo group when none exists (megatron's parallel_state needs one)."""
+def _ensure_process_group(device: torch.device) -> bool:
+    """A one-process group (gloo, NCCL on a GPU) when none exists (megatron's parallel_state needs one)."""
     if dist.is_initialized():
         return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(collective_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return True
 
 
-def megatron_update(req: UpdateRequest) -> dict[str, float]:
-    """The Megatron backend of ActorWorker.update on this rank (a one-process group when there is none)."""
+def megatron_update(req: UpdateRequest, device: torch.device | str = "cpu") -> dict[str, float]:
+    """The Megatron backend of ActorWorker.update on this rank's device (a one-process group when there is
+    none). The CPU patches apply on the CPU only; on a GPU megatron-core runs unpatched over NCCL."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
-    apply_cpu_patches()
-    own_group = _ensure_process_group()
+    device = torch.device(device)
+    apply_cpu_patches(device=device)
+    own_group = _ensure_process_group(device)
     tp = req.actor.megatron.tensor_model_parallel_size
     pp = req.actor.megatron.pipeline_model_parallel_size
     world = dist.get_world_size()
@@ -293,14 +318,14 @@ def megatron_update(req: UpdateRequest) -> dict[str, float]:
         )
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
-        return _megatron_update_grid(req, tp, pp)
+        return _megatron_update_grid(req, tp, pp, device)
     finally:
         ps.destroy_model_parallel()
         if own_group:
             dist.destroy_process_group()
 
 
-def _megatron_load(req: UpdateRequest, tp: int, pp: int):
+def _megatron_load(req: UpdateRequest, tp: int, pp: int, device: torch.device):
     """(hf_model, tokenizer, arch, this rank's GPTModel shard, optimizer, scheduler, HF parameter names)."""
     from megatron.core.tensor_parallel import (  # noqa: PLC0415 - megatron-core is an optional extra
         model_parallel_cuda_manual_seed,
@@ -310,7 +335,7 @@ def _megatron_load(req: UpdateRequest, tp: int, pp: int):
     torch.manual_seed(seeds.update_rank(req.seed, dist.get_rank()))
     hf_model, tok = load_policy(req.policy_dir)
     arch = hf_arch(hf_model.config)
-    model = build_gpt_model(arch, tp, pp)
+    model = build_gpt_model(arch, tp, pp).to(device)  # built on the CPU (use_cpu_initialization), then moved
     tp_rank, pp_rank = model_parallel_ranks()
     model.load_state_dict(
         hf_to_megatron(hf_model.state_dict(), arch, tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank), strict=True
@@ -326,12 +351,12 @@ def _megatron_load(req: UpdateRequest, tp: int, pp: int):
     return hf_model, tok, arch, model, opt, sched, hf_names
 
 
-def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int) -> dict[str, float]:
+def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int, device: torch.device) -> dict[str, float]:
     """Load, update this rank's shard on its data-parallel rows, and write the gathered checkpoint (rank 0)."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     t0 = time.perf_counter()
-    hf_model, tok, arch, model, opt, sched, hf_names = _megatron_load(req, tp, pp)
+    hf_model, tok, arch, model, opt, sched, hf_names = _megatron_load(req, tp, pp, device)
     rows = read_rows(req, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     t_load = time.perf_counter() - t0
     metrics = megatron_ppo_update(

@@ -24,7 +24,12 @@ class CriticWorker(Worker):
         """Rows of the `values` table for these rollouts: rollout_id, critic_version, values (one float per
         response token) under the critic at critic_dir."""
         return values_frame(
-            rollouts, critic_dir, critic_version=critic_version, micro_batch_size=micro_batch_size, threads=self.threads
+            rollouts,
+            critic_dir,
+            critic_version=critic_version,
+            micro_batch_size=micro_batch_size,
+            threads=self.threads,
+            device=self.device,
         )
 
     def update_critic(
@@ -40,4 +45,5 @@ class CriticWorker(Worker):
             n_per_prompt=req.n_per_prompt,
             seed=req.seed,
             threads=self.threads,
+            device=self.device,
         )

@@ -15,7 +15,10 @@ A worker class is a plain Python class deriving from `Worker` (state in attribut
 without Ray); the group makes it a Ray actor. Fault handling: when a rank raises, the whole group is
 killed at once (a surviving rank would otherwise block in a collective) and the error raised; when an
 actor died (killed process, OOM), `call_with_retry` rebuilds the group and retries. Actors reserve no
-Ray CPUs: the stages run one at a time and each worker sets its own thread count.
+Ray CPUs: the stages run one at a time and each worker sets its own thread count. On a GPU run
+(trainer.n_gpus_per_node > 0) each rank requests its share of a GPU in the pool's placement group
+(stages/workers/placement.py), works on `self.device` (cuda:0, the GPU Ray assigned; the CPU without
+CUDA) and the process group is NCCL instead of gloo.
 """
 
 from __future__ import annotations
@@ -35,17 +38,46 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from stages.workers.placement import (
+    CPU_ONLY,
+    GpuPool,
+    actor_options,
+    assigned_bundle,
+    collective_backend,
+    rank_placements,
+    remove_pool_placement_groups,
+    worker_device,
+)
+
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 NAME_PREFIX = "rlake:"
 
 
 class Worker:
-    """Base of every role's worker: rank, world size and torch threads; joins a gloo group on request."""
+    """Base of every role's worker: rank, world size, torch threads and device (stages.workers.placement:
+    cuda:0 when Ray assigned a GPU and CUDA is there, else cpu); joins a gloo/NCCL group on request."""
 
     def __init__(self, rank: int, world: int, threads: int, shape: str = "") -> None:
         self.rank, self.world, self.threads, self.shape_key = rank, world, threads, shape
         torch.set_num_threads(threads)
+        self.device = worker_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def placement(self) -> dict:
+        """What this rank got: Ray's assigned resources (GPU ids, placement-group bundle), its device and its
+        process group's backend (None without one)."""
+        bundle = assigned_bundle()
+        return {
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "resources": ray.get_runtime_context().get_assigned_resources(),
+            "placement_group": bundle[0] if bundle else None,
+            "bundle_index": bundle[1] if bundle else None,
+            "device": str(self.device),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "process_group": dist.get_backend() if dist.is_initialized() else None,
+        }
 
     def shape(self) -> str:
         """What the group was built for (class, size, threads, options): a different shape rebuilds it."""
@@ -58,7 +90,7 @@ class Worker:
 
     def init_process_group(self, host: str, port: int) -> None:
         dist.init_process_group(
-            "gloo",
+            collective_backend(self.device),
             init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world,
@@ -150,12 +182,21 @@ def engine_threads(num_workers: int) -> int:
 
 
 def worker_group(
-    worker_cls: type, role: str, num_workers: int, *, threads: int = 1, process_group: bool = False, **init_kwargs: Any
+    worker_cls: type,
+    role: str,
+    num_workers: int,
+    *,
+    threads: int = 1,
+    process_group: bool = False,
+    gpus: GpuPool = CPU_ONLY,
+    **init_kwargs: Any,
 ) -> WorkerGroup:
     """The run's group of `role`, created on first use and rebuilt when its shape changed.
 
     init_kwargs go to worker_cls(rank, world, threads, shape, **init_kwargs); with process_group the
-    ranks join one gloo group (rank i = actor i)."""
+    ranks join one gloo (NCCL on GPUs) group (rank i = actor i). gpus: the run's GPU pool
+    (GpuPool.of(cfg.trainer)); rank i requests its share of GPU i (stages.workers.placement)."""
+    placements = rank_placements(gpus, role, num_workers)
     shape = repr(
         (
             worker_cls.__module__,
@@ -164,6 +205,7 @@ def worker_group(
             threads,
             process_group,
             sorted(init_kwargs.items()),
+            gpus,
         )
     )
     handles = _find(role)
@@ -179,10 +221,10 @@ def worker_group(
     build = uuid.uuid4().hex[:8]
     _kill_groups_at_exit()
     handles = [
-        remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached").remote(
+        remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached", **actor_options(p)).remote(
             i, num_workers, threads, shape, **init_kwargs
         )
-        for i in range(num_workers)
+        for i, p in enumerate(placements)
     ]
     group = WorkerGroup(worker_cls, role, handles)
     if process_group and num_workers > 1:
@@ -231,11 +273,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def shutdown_worker_groups() -> None:
-    """Kill every rlake worker of this Ray session (the driver exiting does the same)."""
+    """Kill every rlake worker of this Ray session (the driver exiting does the same) and remove the GPU
+    pool's placement groups."""
     if not ray.is_initialized():  # at exit after ray.shutdown(): a local cluster took its actors along
         return
     for name in _named(NAME_PREFIX):
         _kill_named(name)
+    remove_pool_placement_groups()
 
 
 @functools.cache

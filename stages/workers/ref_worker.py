@@ -12,13 +12,14 @@ import torch
 
 from stages.algos.losses import gather_logprobs
 from stages.models.policy import load_policy
-from stages.train.batching import pad_rollouts, response_logits
+from stages.train.batching import pad_rollouts, response_logits, to_device
 from stages.workers.group import Worker
 
 
 class RefWorker(Worker):
     """model_dir: the reference checkpoint (policy version ref_policy_version); micro_batch_size rollouts
-    per forward; temperature divides the logits (the rollout's sampling temperature, as verl's ref)."""
+    per forward; temperature divides the logits (the rollout's sampling temperature, as verl's ref); param_dtype:
+    the forward's compute dtype, the actor's (actor.mixed_precision.param_dtype, stages.train.precision)."""
 
     def __init__(
         self,
@@ -31,14 +32,16 @@ class RefWorker(Worker):
         ref_policy_version: int,
         micro_batch_size: int = 64,
         temperature: float = 1.0,
+        param_dtype: str = "float32",
     ) -> None:
         super().__init__(rank, world, threads, shape)
         self.model, tok = load_policy(model_dir)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.pad_id = tok.pad_token_id
         self.micro_batch_size = micro_batch_size
         self.ref_policy_version = ref_policy_version
         self.temperature = temperature
+        self.param_dtype = param_dtype
 
     def compute_ref_log_prob(self, batch: pd.DataFrame) -> pd.DataFrame:
         """Rows (rollout_id, policy_version, ref_policy_version, ref_logprobs) of the batch's rollouts, in its
@@ -49,8 +52,9 @@ class RefWorker(Worker):
                 part = batch.iloc[s : s + self.micro_batch_size]
                 prompts = [list(map(int, p)) for p in part["prompt_token_ids"]]
                 responses = [list(map(int, r)) for r in part["response_token_ids"]]
-                padded = pad_rollouts(prompts, responses, self.pad_id)
-                logits = response_logits(self.model, padded, self.temperature)  # (n, L, V)
+                padded = to_device(pad_rollouts(prompts, responses, self.pad_id), self.device)
+                # (n, L, V) float32 logits, the forward at the actor's compute dtype
+                logits = response_logits(self.model, padded, self.temperature, param_dtype=self.param_dtype)
                 logprobs = gather_logprobs(logits, padded["responses"])  # (n, L)
                 out.extend(logprobs[i, : len(r)].tolist() for i, r in enumerate(responses))
         return pd.DataFrame(

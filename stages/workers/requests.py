@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from configs.schema import ActorConfig, CriticConfig
+from stages.workers.placement import CPU_ONLY, GpuPool
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class UpdateRequest:
     """Written beside the new checkpoint; a rank holding it resident skips the next load."""
     threads_per_worker: int | None = None
     """torch threads of each rank; None: the Ray cluster's CPUs split over actor.num_workers ranks."""
+    gpus: GpuPool = CPU_ONLY
+    """The run's GPU pool (GpuPool.of(cfg.trainer)): rank i trains on GPU i; the default is a CPU run."""
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ class RewardModelWorker(Worker):
 
     def _load(self, model_dir: str) -> None:
         self.model, self.tokenizer = load_reward_model(model_dir)
+        self.model.to(self.device)
         self.model_loads += 1
 
     def loads(self) -> int:
@@ -104,6 +105,7 @@ class RewardModelWorker(Worker):
                 for b, x in enumerate(part):
                     ids[b, : len(x)] = torch.tensor(x, dtype=torch.long)
                     attn[b, : len(x)] = 1
+                ids, attn = ids.to(self.device), attn.to(self.device)
                 logits = self.model(input_ids=ids, attention_mask=attn).logits  # (n, 1): the last non-pad token's
                 scores.extend(logits[:, 0].float().tolist())
         return pd.DataFrame({"rollout_id": batch["rollout_id"].to_numpy(), "rm_score": scores})

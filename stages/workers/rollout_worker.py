@@ -4,6 +4,13 @@ stages.rollout shards a prompt batch over the "rollout" group and calls `Rollout
 each rank (verl: `generate_sequences`); with use_ray=False the caller holds a RolloutWorker in its
 own process. After a policy update the engine takes the new weights in place instead of being
 rebuilt (see `sync`).
+
+On a GPU (the worker's device is CUDA: trainer.n_gpus_per_node > 0) the engine shares the GPU with the
+trainer ranks (verl's hybrid engine): vLLM takes rollout.gpu_memory_utilization of its memory and is built
+with sleep mode, so after each generate call it sleeps (level 1: KV cache freed, weights offloaded to
+host memory) and wakes before the next sync, leaving the GPU to the old-log-prob and update stages. The
+weights still reach the engine from the checkpoint on disk (the fallback path verl keeps too); the HF
+engine runs on the worker's device. On the CPU nothing of this applies.
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ class RolloutWorker(Worker):
     rollout.micro_batch_size, prompts per engine call."""
 
     def __init__(
-        self, rank: int, world: int, threads: int, shape: str = "", *, engine: str = "auto", micro_batch_size: int = 256
+        self,
+        rank: int,
+        world: int,
+        threads: int,
+        shape: str = "",
+        *,
+        engine: str = "auto",
+        micro_batch_size: int = 256,
+        gpu_memory_utilization: float = 0.5,
     ) -> None:
         super().__init__(rank, world, threads, shape)
         self.engine_name = resolve_engine_name(engine)
@@ -34,6 +49,7 @@ class RolloutWorker(Worker):
         # abort, so only HF gets num_threads
         self.num_threads = threads if self.engine_name == "hf" else None
         self.micro_batch_size = micro_batch_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.engine: RolloutEngine | None = None
         self.loaded: tuple[str, str, str] | None = None
         self.last_sync, self.last_sync_s = "none", 0.0
@@ -51,17 +67,30 @@ class RolloutWorker(Worker):
             self.last_sync = "in_place"
         else:
             self.close()
-            self.engine = build_engine(
-                self.engine_name, model_dir, micro_batch_size=self.micro_batch_size, num_threads=self.num_threads
-            )
+            self.engine = build_engine(self.engine_name, model_dir, **self.engine_kwargs())
             self.last_sync = "build"
         self.loaded, self.last_sync_s = ident, time.perf_counter() - t0
         return self.last_sync
 
+    def engine_kwargs(self) -> dict:
+        """build_engine's keyword arguments on this worker's device: vLLM on CUDA gets its memory share and sleep
+        mode, HF its device; on the CPU both get what they always did."""
+        kwargs: dict = {"micro_batch_size": self.micro_batch_size, "num_threads": self.num_threads}
+        if self.device.type == "cuda":
+            if self.engine_name == "vllm":
+                kwargs |= {"gpu_memory_utilization": self.gpu_memory_utilization, "enable_sleep_mode": True}
+            else:
+                kwargs["device"] = str(self.device)
+        return kwargs
+
     def generate(self, model_dir: str, batch: pd.DataFrame, sampling: SamplingSpec) -> pd.DataFrame:
         """Sync to model_dir, then one row per (prompt row, sample) with token ids, logprobs, finish reason,
-        timings and how the engine was synced. Sampling is seeded by the shard's first prompt_id, so the
-        same prompts get the same seed whatever the sharding."""
+        timings, how the engine was synced and the fingerprint of the weights it generated with
+        (`engine_weights_fingerprint`: stages.models.fingerprint, read from the engine's model after its
+        last load; equal to fingerprint_checkpoint(model_dir) unless the weights never reached it). Sampling
+        is seeded by the shard's first prompt_id, so the same prompts get the same seed whatever the sharding."""
+        if self.engine is not None:
+            self.engine.wake_up()  # a no-op unless it sleeps between generations (vLLM on a shared GPU)
         self.sync(model_dir)
         t0 = time.perf_counter()
         seed = None if sampling.seed is None else seeds.engine_shard(sampling.seed, int(batch["prompt_id"].min()))
@@ -86,6 +115,8 @@ class RolloutWorker(Worker):
         out["generate_s"] = time.perf_counter() - t0
         out["engine_sync"] = self.last_sync
         out["engine_sync_s"] = self.last_sync_s
+        out["engine_weights_fingerprint"] = self.engine.weights_fingerprint()
+        self.engine.sleep()  # frees the shared GPU for the trainer (a no-op without sleep mode)
         return out
 
     def close(self) -> None:

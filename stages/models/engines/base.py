@@ -43,6 +43,15 @@ class RolloutEngine(ABC):
 
     name: str = "base"
 
+    def sleep(self) -> None:
+        """Free the device memory the engine holds between generations (vLLM's sleep mode on a GPU shared with the
+        trainer); a no-op for engines without one."""
+        return None
+
+    def wake_up(self) -> None:
+        """Undo sleep() before the next load or generate; a no-op when the engine is awake or cannot sleep."""
+        return None
+
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Generation]]:
         """For each prompt, `sampling.n` generations (outer list aligned with the prompts)."""
@@ -50,3 +59,9 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_checkpoint(self, model_dir: str) -> None:
         """Take the weights of the HF checkpoint at model_dir in place (no engine rebuild)."""
+
+    @abstractmethod
+    def weights_fingerprint(self, *, refresh: bool = False) -> str:
+        """stages.models.fingerprint of the weights the engine holds, read from the engine's own model after
+        its last build or load (cached until the next one, so generate pays nothing); refresh=True reads them
+        again now. Equals fingerprint_checkpoint(dir) when the load of dir reached the engine."""

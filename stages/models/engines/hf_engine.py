@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from stages.models.engines.base import Generation, RolloutEngine, SamplingSpec
+from stages.models.fingerprint import fingerprint_state
 from stages.models.policy import load_policy
 
 
@@ -20,14 +21,23 @@ class HFEngine(RolloutEngine):
     name = "hf"
 
     def __init__(
-        self, model_dir: str, *, micro_batch_size: int = 256, dtype: str = "float32", num_threads: int | None = None
+        self,
+        model_dir: str,
+        *,
+        micro_batch_size: int = 256,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        device: str = "cpu",
     ) -> None:
+        """device: where the model and every batch live (the RolloutWorker's: cuda:0 on a GPU run)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.dtype = dtype
         self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
         self.model, self.tokenizer = load_policy(model_dir, dtype)
-        self.model.eval()
+        self.model.to(self.device).eval()
+        self._fingerprint = fingerprint_state(self.model.named_parameters())
 
     def load_checkpoint(self, model_dir: str) -> None:
         state = {}
@@ -40,6 +50,12 @@ class HFEngine(RolloutEngine):
                 f"checkpoint {model_dir} does not match the engine's model: "
                 f"missing={sorted(set(missing) - tied)} unexpected={sorted(unexpected)}"
             )
+        self._fingerprint = fingerprint_state(self.model.named_parameters())
+
+    def weights_fingerprint(self, *, refresh: bool = False) -> str:
+        if refresh:
+            self._fingerprint = fingerprint_state(self.model.named_parameters())
+        return self._fingerprint
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Generation]]:
@@ -79,7 +95,7 @@ class HFEngine(RolloutEngine):
             )
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=tok)
-        out = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         seqs = out.sequences[:, width:]  # (n, L')
         scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
         results = []

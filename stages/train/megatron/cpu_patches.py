@@ -1,9 +1,11 @@
 """Patches that let megatron-core (seen with 0.16.1) train on CPU over gloo.
 
 megatron-core assumes a CUDA device in a few places that the CPU path still reaches. Each patch
-below fixes one of them, is a named function, and is applied by `apply_cpu_patches()` only when
-`torch.cuda.is_available()` is False (on a GPU nothing is touched). tests/stages/test_megatron_patches.py
-shows, for each patch, that the unpatched call fails on CPU.
+below fixes one of them, is a named function, and is applied by `apply_cpu_patches(device=...)` only when
+megatron runs on the CPU (`needs_cpu_patches`: the trainer rank's device is the CPU, i.e. Ray assigned it
+no GPU or CUDA is absent; with device=None, when `torch.cuda.is_available()` is False). On a GPU nothing is
+touched and megatron-core runs as released. tests/stages/test_megatron_patches.py shows, for each patch,
+that the unpatched call fails on CPU, and that a CUDA device gets no patch.
 
 - patch_rng_tracker: the model-parallel RNG tracker (`model_parallel_cuda_manual_seed`,
   `get_cuda_rng_tracker().fork()`, used around attention dropout) stores CUDA generator states;
@@ -105,13 +107,23 @@ def patch_tensor_cuda() -> None:
 CPU_PATCHES = (patch_rng_tracker, patch_current_device, patch_schedule_tensors, patch_tensor_cuda)
 
 
-def apply_cpu_patches(exclude: tuple[str, ...] = ()) -> list[str]:
-    """Apply every patch once, only without a GPU; returns the names applied so far.
+def needs_cpu_patches(device: torch.device | str | None = None) -> bool:
+    """Whether megatron on `device` needs the patches: only on the CPU. device None: this process's default
+    device (cuda when torch.cuda.is_available(), else cpu)."""
+    if device is None:
+        return not torch.cuda.is_available()
+    return torch.device(device).type == "cpu"
+
+
+def apply_cpu_patches(exclude: tuple[str, ...] = (), *, device: torch.device | str | None = None) -> list[str]:
+    """Apply every patch once when megatron runs on the CPU (needs_cpu_patches(device)); returns the names
+    applied so far in this process, [] on a GPU (nothing is touched).
 
     Args:
         exclude: patch names to leave out (the tests use it to show each patch is needed).
+        device: the trainer rank's device (ActorWorker.device); None: this process's default.
     """
-    if torch.cuda.is_available():
+    if not needs_cpu_patches(device):
         return []
     unknown = set(exclude) - {p.__name__ for p in CPU_PATCHES}
     if unknown:

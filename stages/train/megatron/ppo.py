@@ -29,7 +29,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from stages.algos.losses import gather_logprobs
-from stages.train.batching import actor_batch, select_rows, tempered
+from stages.train.batching import actor_batch, model_device, select_rows, tempered, to_device
 from stages.train.megatron.convert import tp_partition_dim
 from stages.train.optim import ACTOR_GRAD_ERROR
 from stages.train.ppo_loop import (
@@ -132,7 +132,8 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
         for name, p in named_params
         if not (tp_partition_dim(name) is None and tp_rank > 0) and not (tied and name == "output_layer.weight")
     ]
-    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
+    zero = torch.zeros((), device=model_device(model))  # on the group's device: NCCL reduces CUDA tensors only
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else zero
     dist.all_reduce(sq, group=ps.get_model_parallel_group())
     norm = sq.sqrt()
     coef = (clip if clip > 0 else float("inf")) / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
@@ -141,11 +142,12 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
     return norm
 
 
-def _prepare_batch(rows: dict, actor_cfg, pad_id: int) -> dict:
-    """The torch backend's batch (stages.train.batching.actor_batch) plus megatron's 4-D attention mask."""
+def _prepare_batch(rows: dict, actor_cfg, pad_id: int, device: torch.device | str = "cpu") -> dict:
+    """The torch backend's batch (stages.train.batching.actor_batch) plus megatron's 4-D attention mask, every
+    tensor on `device` (the model stage's)."""
     batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss)
     batch["mask4d"] = megatron_attention_mask(batch["attention_mask"])  # (N, 1, T, T)
-    return batch
+    return to_device(batch, device)
 
 
 def _reduce_metrics(acc: MetricAccumulator, dp: int) -> dict[str, float]:
@@ -188,7 +190,7 @@ def megatron_ppo_update(
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     dp = ps.get_data_parallel_world_size()
-    batch = _prepare_batch(rows, actor_cfg, pad_id)
+    batch = _prepare_batch(rows, actor_cfg, pad_id, model_device(model))
     n = batch["input_ids"].shape[0]
     model.eval()
     batch["old_logprobs"] = compute_old_logprobs(model, batch, micro_batch_size, vocab_size, temperature)

@@ -1,0 +1,187 @@
+"""Where each role's workers run: the GPUs they request, their placement-group bundle, their torch device.
+
+Config (verl's names): `trainer.n_gpus_per_node` x `trainer.nnodes` GPUs form the run's GPU pool. 0 GPUs
+per node (the default) is a CPU run: no worker requests a GPU, no placement group is made, every tensor
+stays on the CPU, and nothing differs from a run without this module.
+
+With GPUs every role is colocated on the pool, as verl's hybrid engine colocates actor, rollout and
+reference on each GPU:
+- one placement group per node of `n_gpus_per_node` bundles `{"GPU": 1}`, strategy STRICT_PACK (all bundles
+  of a node's group on one node), detached and named `rlake-gpus:<n>x<nnodes>:<node>` so every stage of
+  the run (and a later process of it) finds the same one;
+- rank i of any role goes to GPU i of the pool: node i // n_gpus_per_node, bundle i % n_gpus_per_node,
+  so the trainer's process-group rank order is the bundle order;
+- each worker requests GPU_SHARE = 1 / len(GPU_ROLES) of its GPU, so the rank i of every role fits on
+  GPU i together (Ray's GPU count is bookkeeping; memory is shared by the engine's
+  rollout.gpu_memory_utilization and vLLM's sleep mode, stages/models/engines/vllm_engine.py).
+
+Inside a worker Ray sets CUDA_VISIBLE_DEVICES to its one GPU, so its device is cuda:0 (`worker_device`);
+without CUDA (a Ray cluster declaring fake GPUs, as the CPU tests do, or a CPU-only torch) it is the CPU
+whatever Ray assigned, and the process group is gloo instead of NCCL (`collective_backend`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from configs.schema import TrainerConfig
+
+GPU_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "judge")
+"""The worker groups that may hold a model on a GPU (stages/workers/*_worker.py)."""
+GPU_SHARE = 1.0 / len(GPU_ROLES)
+"""Ray GPUs each worker of a GPU run requests: a rank of every role fits on one GPU."""
+PG_PREFIX = "rlake-gpus:"
+PG_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """trainer.n_gpus_per_node x trainer.nnodes; the default (0 GPUs) is a CPU run."""
+
+    n_gpus_per_node: int = 0
+    nnodes: int = 1
+
+    @classmethod
+    def of(cls, trainer: TrainerConfig) -> GpuPool:
+        """The pool of the run config's trainer section."""
+        return cls(trainer.n_gpus_per_node, trainer.nnodes)
+
+    @property
+    def size(self) -> int:
+        return self.n_gpus_per_node * self.nnodes
+
+    def node_group_name(self, node: int) -> str:
+        return f"{PG_PREFIX}{self.n_gpus_per_node}x{self.nnodes}:{node}"
+
+
+CPU_ONLY = GpuPool()
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """How one rank's actor is created: Ray GPUs requested and, on GPUs, its placement group and bundle."""
+
+    num_gpus: float = 0.0
+    pool: GpuPool | None = None
+    """The GPU pool whose node `node` placement group holds the rank; None on CPU."""
+    node: int = 0
+    bundle_index: int = -1
+
+    @property
+    def placement_group(self) -> str | None:
+        """Name of the rank's placement group (GpuPool.node_group_name); None on CPU."""
+        return None if self.pool is None else self.pool.node_group_name(self.node)
+
+
+def rank_placements(pool: GpuPool, role: str, num_workers: int) -> list[RankPlacement]:
+    """The placement of each of `num_workers` ranks of `role` in `pool` (see the module docstring)."""
+    if role not in GPU_ROLES and pool.size:
+        raise ValueError(f"Unknown GPU role '{role}'. Valid: {list(GPU_ROLES)}")
+    if not pool.size:
+        return [RankPlacement() for _ in range(num_workers)]
+    if num_workers > pool.size:
+        raise ValueError(
+            f"the '{role}' group has {num_workers} workers but the GPU pool has {pool.size} GPUs "
+            f"(trainer.n_gpus_per_node={pool.n_gpus_per_node} x trainer.nnodes={pool.nnodes}), and rank i of "
+            "every role runs on GPU i; lower the role's num_workers or add GPUs."
+        )
+    return [
+        RankPlacement(GPU_SHARE, pool, i // pool.n_gpus_per_node, i % pool.n_gpus_per_node) for i in range(num_workers)
+    ]
+
+
+def node_placement_group(pool: GpuPool, node: int):
+    """The detached STRICT_PACK placement group of pool node `node` (n_gpus_per_node bundles {"GPU": 1}),
+    found by name or created and waited for; a cluster with too few GPUs is an error saying so."""
+    name = pool.node_group_name(node)
+    try:
+        return ray.util.get_placement_group(name)
+    except ValueError:  # none of that name yet
+        pass
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < pool.size:
+        raise RuntimeError(
+            f"the run asks for {pool.size} GPUs (trainer.n_gpus_per_node={pool.n_gpus_per_node} x "
+            f"trainer.nnodes={pool.nnodes}) but the Ray cluster has {have:g}; set trainer.n_gpus_per_node=0 "
+            "for a CPU run, or attach to a cluster with enough GPUs (ray.address)."
+        )
+    pg = ray.util.placement_group(
+        [{"GPU": 1}] * pool.n_gpus_per_node, strategy="STRICT_PACK", name=name, lifetime="detached"
+    )
+    if not pg.wait(timeout_seconds=PG_READY_TIMEOUT_S):
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"placement group {name} ({pool.n_gpus_per_node} GPUs on one node) was not placed within "
+            f"{PG_READY_TIMEOUT_S:g} s: no node has {pool.n_gpus_per_node} free GPUs; lower "
+            "trainer.n_gpus_per_node to the GPUs of one node or free them."
+        )
+    return pg
+
+
+def actor_options(placement: RankPlacement) -> dict[str, Any]:
+    """Ray actor .options() for a rank: num_gpus, and on GPUs its placement-group bundle."""
+    if placement.pool is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 - GPU runs only
+
+    pg = node_placement_group(placement.pool, placement.node)
+    return {
+        "num_gpus": placement.num_gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=placement.bundle_index
+        ),
+    }
+
+
+def remove_pool_placement_groups() -> list[str]:
+    """Remove every rlake GPU-pool placement group of the connected cluster; returns their names."""
+    removed = []
+    for info in ray.util.placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith(PG_PREFIX) and info.get("state") != "REMOVED":
+            try:
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+                removed.append(name)
+            except ValueError:  # removed meanwhile
+                pass
+    return removed
+
+
+_BUNDLE_GPU = re.compile(r"GPU_group_(\d+)_([0-9a-f]+)")
+"""Ray's name of the GPU of bundle i of placement group <id> in a worker's resource assignment."""
+
+
+def assigned_bundle() -> tuple[str, int] | None:
+    """(placement group id, bundle index) of this Ray actor's GPU, read from the resources Ray assigned it
+    (`GPU_group_<index>_<pg id>`, the names Ray's get_assigned_resources folds away); None outside a bundle."""
+    ids = ray.get_runtime_context().worker.core_worker.resource_ids()
+    found = [m for m in map(_BUNDLE_GPU.fullmatch, ids) if m]
+    return (found[0].group(2), int(found[0].group(1))) if found else None
+
+
+def assigned_gpu_ids() -> list:
+    """The GPU ids Ray assigned to this process when it is a Ray actor; [] elsewhere (a driver, a test)."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return []
+    return list(ray.get_gpu_ids())
+
+
+def resolve_device(gpu_ids: list, cuda_available: bool) -> torch.device:
+    """cuda:0 when Ray assigned this process a GPU and CUDA is usable (Ray's CUDA_VISIBLE_DEVICES makes the
+    assigned GPU device 0), else the CPU (a CPU run, or fake GPUs on a machine without CUDA)."""
+    return torch.device("cuda", 0) if gpu_ids and cuda_available else torch.device("cpu")
+
+
+def worker_device() -> torch.device:
+    """This process's device: resolve_device of Ray's assignment and torch.cuda.is_available()."""
+    return resolve_device(assigned_gpu_ids(), torch.cuda.is_available())
+
+
+def collective_backend(device: torch.device) -> str:
+    """torch.distributed backend for ranks on `device`: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
