@@ -16,9 +16,7 @@ atol 1e-7 / rtol 1e-5 [0, 3.0e-9].
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,85 +25,18 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-N_PROMPTS, N_PER_PROMPT = 2, 4
+from tests.stages.helpers_backend_update import load_out, policy_and_advantages, spawn_update, update_request
+
 W_ATOL = 3e-6
 METRIC_REL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, req) -> None:
-    """One rank of an update in a spawned process: the ActorWorker of req.actor.strategy, in-process."""
-    import torch.distributed as dist
-
-    from stages.workers.actor_worker import ActorWorker
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        ActorWorker(rank, world, 1, strategy=req.actor.strategy).update(req)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_update(req, world: int = 2) -> str:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_entry, args=(world, _free_port(), req), nprocs=world, join=True)
-    return req.out_dir
-
-
 @pytest.fixture(scope="module")
 def policy_and_table(tmp_path_factory) -> dict:
-    import pandas as pd
-
-    from configs.schema import TinyModelConfig
-    from stages.io.store import write_partition
-    from stages.models.policy import save_policy
-    from stages.models.tiny import build_char_tokenizer, build_tiny_model
-
-    root = tmp_path_factory.mktemp("fsdp")
-    tok = build_char_tokenizer()
-    tiny = TinyModelConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        tie_word_embeddings=True,
-    )
-    save_policy(build_tiny_model(tiny, len(tok), seed=3), tok, root / "policy")
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(N_PROMPTS * N_PER_PROMPT):
-        p_len = int(torch.randint(3, 8, (1,), generator=gen))
-        r_len = int(torch.randint(1, 7, (1,), generator=gen))
-        advantage = float(torch.randn((), generator=gen))
-        rows.append(
-            {
-                "rollout_id": i,
-                "group_id": i // N_PER_PROMPT,
-                "policy_version": 0,
-                "prompt_token_ids": torch.randint(5, len(tok), (p_len,), generator=gen).tolist(),
-                "response_token_ids": torch.randint(1, len(tok), (r_len,), generator=gen).tolist(),
-                "reward": 0.0,
-                "advantage": advantage,
-                "adv_estimator": "grpo",
-                "token_advantages": [advantage] * r_len,
-            }
-        )
-    uri = str(root / "advantages")
-    version = write_partition(uri, "advantages", pd.DataFrame(rows), run_id="r", iteration=0, lineage={})
-    return {"root": root, "advantages_uri": uri, "advantages_version": version}
+    return policy_and_advantages(tmp_path_factory.mktemp("fsdp"), tie_word_embeddings=True)
 
 
 def make_job(ctx: dict, out: str, strategy: str, policy_dir: Path | None = None):
-    from configs.schema import ActorConfig
-    from stages.workers.requests import UpdateRequest
-
     actor = {
         "strategy": strategy,
         "num_workers": 2,
@@ -114,27 +45,7 @@ def make_job(ctx: dict, out: str, strategy: str, policy_dir: Path | None = None)
         "entropy_coeff": 0.01,
         "optim": {"lr": 1e-3, "grad_clip": 1.0},
     }
-    return UpdateRequest(
-        advantages_uri=ctx["advantages_uri"],
-        advantages_version=ctx["advantages_version"],
-        run_id="r",
-        iteration=0,
-        n_per_prompt=N_PER_PROMPT,
-        seed=0,
-        policy_dir=str(policy_dir or ctx["root"] / "policy"),
-        out_dir=str(ctx["root"] / out),
-        threads_per_worker=1,
-        actor=ActorConfig.model_validate(actor),
-    )
-
-
-def load_out(out_dir: str) -> tuple[dict, dict, dict]:
-    from safetensors.torch import load_file
-
-    weights = load_file(str(Path(out_dir) / "model.safetensors"))
-    opt = torch.load(Path(out_dir) / "optimizer.pt", weights_only=False)
-    metrics = json.loads((Path(out_dir) / "update_metrics.json").read_text())
-    return weights, opt, metrics
+    return update_request(ctx, out, actor, policy_dir)
 
 
 def assert_same_outputs(a: str, b: str, w0: dict[str, torch.Tensor]) -> None:
@@ -163,9 +74,9 @@ def outs(policy_and_table) -> dict[str, str]:
     """Two iterations per backend, each from the same backend's previous checkpoint."""
     out = {}
     for strategy in ("torch", "fsdp"):
-        first = spawn_update(make_job(policy_and_table, f"{strategy}_it0", strategy))
+        first = spawn_update(make_job(policy_and_table, f"{strategy}_it0", strategy), 2)
         out[strategy] = first
-        out[f"{strategy}_it1"] = spawn_update(make_job(policy_and_table, f"{strategy}_it1", strategy, Path(first)))
+        out[f"{strategy}_it1"] = spawn_update(make_job(policy_and_table, f"{strategy}_it1", strategy, Path(first)), 2)
     return out
 
 

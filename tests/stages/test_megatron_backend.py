@@ -17,9 +17,7 @@ atol 1e-6 / rtol 1e-4.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,35 +28,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("megatron.core")
 
+from tests.stages.helpers_backend_update import (
+    N_PER_PROMPT,
+    N_PROMPTS,
+    load_out,
+    policy_and_advantages,
+    spawn_update,
+    update_request,
+)
+
 pytestmark = pytest.mark.megatron
-N_PROMPTS, N_PER_PROMPT = 2, 4
 W_ATOL = 3e-5
 UPDATE_RTOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, req) -> None:
-    """One rank of an update in a spawned process: the ActorWorker of req.actor.strategy, in-process."""
-    import torch.distributed as dist
-
-    from stages.workers.actor_worker import ActorWorker
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        ActorWorker(rank, world, 1, strategy=req.actor.strategy).update(req)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_megatron(req, world: int) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_entry, args=(world, _free_port(), req), nprocs=world, join=True)
 
 
 def update_in_process(req) -> None:
@@ -70,41 +51,7 @@ def update_in_process(req) -> None:
 
 @pytest.fixture(scope="module")
 def policy_and_table(tmp_path_factory) -> dict:
-    import pandas as pd
-
-    from configs.schema import TinyModelConfig
-    from stages.io.store import write_partition
-    from stages.models.policy import save_policy
-    from stages.models.tiny import build_char_tokenizer, build_tiny_model
-
-    root = tmp_path_factory.mktemp("megatron")
-    tok = build_char_tokenizer()
-    tiny = TinyModelConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96
-    )
-    save_policy(build_tiny_model(tiny, len(tok), seed=3), tok, root / "policy")
-    gen = torch.Generator().manual_seed(0)
-    n = N_PROMPTS * N_PER_PROMPT
-    rows = []
-    for i in range(n):
-        p_len = int(torch.randint(3, 8, (1,), generator=gen))
-        r_len = int(torch.randint(1, 7, (1,), generator=gen))
-        rows.append(
-            row := {
-                "rollout_id": i,
-                "group_id": i // N_PER_PROMPT,
-                "policy_version": 0,
-                "prompt_token_ids": torch.randint(5, len(tok), (p_len,), generator=gen).tolist(),
-                "response_token_ids": torch.randint(1, len(tok), (r_len,), generator=gen).tolist(),
-                "reward": 0.0,
-                "advantage": float(torch.randn((), generator=gen)),
-                "adv_estimator": "grpo",
-            }
-        )
-        row["token_advantages"] = [row["advantage"]] * r_len  # outcome advantage on every token
-    uri = str(root / "advantages")
-    version = write_partition(uri, "advantages", pd.DataFrame(rows), run_id="r", iteration=0, lineage={})
-    return {"root": root, "advantages_uri": uri, "advantages_version": version}
+    return policy_and_advantages(tmp_path_factory.mktemp("megatron"))
 
 
 def make_job(
@@ -117,9 +64,6 @@ def make_job(
     policy_dir: Path | None = None,
     **actor,
 ):
-    from configs.schema import ActorConfig
-    from stages.workers.requests import UpdateRequest
-
     actor_cfg = {
         "strategy": strategy,
         "ppo_mini_batch_size": 1,
@@ -130,27 +74,7 @@ def make_job(
         "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         **actor,
     }
-    return UpdateRequest(
-        advantages_uri=ctx["advantages_uri"],
-        advantages_version=ctx["advantages_version"],
-        run_id="r",
-        iteration=0,
-        n_per_prompt=N_PER_PROMPT,
-        seed=0,
-        policy_dir=str(policy_dir or ctx["root"] / "policy"),
-        out_dir=str(ctx["root"] / out),
-        threads_per_worker=1,
-        actor=ActorConfig.model_validate(actor_cfg),
-    )
-
-
-def load_out(out_dir: str) -> tuple[dict, dict, dict]:
-    from safetensors.torch import load_file
-
-    weights = load_file(str(Path(out_dir) / "model.safetensors"))
-    opt = torch.load(Path(out_dir) / "optimizer.pt", weights_only=False)
-    metrics = json.loads((Path(out_dir) / "update_metrics.json").read_text())
-    return weights, opt, metrics
+    return update_request(ctx, out, actor_cfg, policy_dir)
 
 
 def assert_same_outputs(a: str, b: str, w0: dict[str, torch.Tensor]) -> None:
@@ -195,7 +119,7 @@ def megatron_outs(policy_and_table) -> dict[tuple[int, int], str]:
     outs = {}
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         job = make_job(policy_and_table, f"megatron_tp{tp}_pp{pp}", tp=tp, pp=pp)
-        spawn_megatron(job, tp * pp)
+        spawn_update(job, tp * pp)
         outs[(tp, pp)] = job.out_dir
     return outs
 
@@ -215,11 +139,7 @@ def test_tp_pp_match_single_rank(megatron_outs, initial_weights, tp: int, pp: in
 
 @pytest.fixture(scope="module")
 def torch_ddp2_out(policy_and_table) -> str:
-    import torch.multiprocessing as mp
-
-    ref = make_job(policy_and_table, "torch_ddp2", strategy="torch", num_workers=2)
-    mp.spawn(_entry, args=(2, _free_port(), ref), nprocs=2, join=True)
-    return ref.out_dir
+    return spawn_update(make_job(policy_and_table, "torch_ddp2", strategy="torch", num_workers=2), 2)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -227,7 +147,7 @@ def test_dp2_matches_torch_ddp(policy_and_table, torch_ddp2_out, initial_weights
     """DP = 2 replicas (of TP = tp ranks each): grads averaged over the DP group like DDP,
     rows split by DP rank like the torch workers."""
     job = make_job(policy_and_table, f"megatron_tp{tp}_dp2", tp=tp, num_workers=2 * tp)
-    spawn_megatron(job, 2 * tp)
+    spawn_update(job, 2 * tp)
     assert_same_outputs(job.out_dir, torch_ddp2_out, initial_weights)
 
 
@@ -237,7 +157,7 @@ def test_resume_from_megatron_optimizer_state(policy_and_table, megatron_outs, t
     ref = make_job(policy_and_table, "torch_it1", strategy="torch", policy_dir=Path(torch_out))
     update_in_process(ref)
     job = make_job(policy_and_table, "megatron_it1", tp=2, policy_dir=Path(megatron_outs[(2, 1)]))
-    spawn_megatron(job, 2)
+    spawn_update(job, 2)
     from safetensors.torch import load_file
 
     w1 = load_file(str(Path(torch_out) / "model.safetensors"))
@@ -279,7 +199,7 @@ def test_rollout_temperature_reaches_both_backends(policy_and_table, torch_out, 
     torch_job = replace(make_job(policy_and_table, "torch_t07", strategy="torch"), temperature=0.7)
     update_in_process(torch_job)
     megatron_job = replace(make_job(policy_and_table, "megatron_t07"), temperature=0.7)
-    spawn_megatron(megatron_job, 1)
+    spawn_update(megatron_job, 1)
     assert_same_outputs(megatron_job.out_dir, torch_job.out_dir, initial_weights)
     tempered, plain = load_out(torch_job.out_dir)[2], load_out(torch_out)[2]
     assert tempered["actor/entropy"] < plain["actor/entropy"]  # logits / 0.7: a sharper distribution
