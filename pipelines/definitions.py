@@ -18,7 +18,7 @@ import dagster as dg
 from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, training
 from configs.schema import RunConfig, load_config
 from pipelines.jobs import iteration_job, setup_job
-from pipelines.resources import build_resources
+from pipelines.resources import build_resources, launch_defaults
 from pipelines.sensors import make_next_iteration_sensor
 from stages.dag import ITERATION, SETUP
 
@@ -52,17 +52,11 @@ def build_definitions(
 ) -> dg.Definitions:
     """Assets, the set-up and iteration jobs, the chaining sensor and the resources; the run_config resource's
     launch-time default is `cfg` (resolved), else `config_path` + `overrides`."""
-    resources = build_resources(cfg, config_path=config_path, overrides=overrides)
-    defaults = (
-        {"config_json": cfg.model_dump_json()}
-        if cfg is not None
-        else {"config_path": config_path, "overrides": list(overrides)}
-    )
     return dg.Definitions(
         assets=ASSETS,
         jobs=[setup_job, iteration_job],
-        sensors=[make_next_iteration_sensor(defaults, iteration_job)],
-        resources=resources,
+        sensors=[make_next_iteration_sensor(launch_defaults(cfg, config_path, overrides), iteration_job)],
+        resources=build_resources(cfg, config_path=config_path, overrides=overrides),
     )
 
 

@@ -66,18 +66,24 @@ def _tracker(cfg: RunConfig) -> TrackerResource:
     return tracker_for(cfg)
 
 
+def launch_defaults(
+    cfg: RunConfig | None, config_path: str = "", overrides: list[str] | tuple[str, ...] = ()
+) -> dict[str, object]:
+    """The run_config resource's launch-time default: the resolved `cfg` as JSON, else `config_path` +
+    `overrides` (what the launchpad pre-fills, and what the sensor falls back to for fields a run left out)."""
+    if cfg is not None:
+        return {"config_json": RunConfigResource.of(cfg).config_json}
+    return {"config_path": config_path, "overrides": list(overrides)}
+
+
 def build_resources(
     cfg: RunConfig | None = None, *, config_path: str = "", overrides: list[str] | tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """All resources of a run. The launch-time default of `run_config`: the resolved `cfg` (what `rlake train`,
     `rlake rescore` and tests pass), else `config_path` + `overrides` (the `rlake ui` code location, so the
     launchpad shows and edits the YAML path and its overrides)."""
-    if cfg is not None:
-        default = {"config_json": RunConfigResource.of(cfg).config_json}
-    else:
-        default = {"config_path": config_path, "overrides": list(overrides)}
     return {
-        "run_config": RunConfigResource.configure_at_launch(**default),
+        "run_config": RunConfigResource.configure_at_launch(**launch_defaults(cfg, config_path, overrides)),
         "ray": _derived(_ray),
         "rollout_store": _derived(_rollout_store),
         "model_store": _derived(_model_store),
