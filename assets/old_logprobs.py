@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.common import TRAIN, asset_deps, check_spec, data_version, iteration_of, model_logprob_table, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import policy_old_logprobs, probs_gap
+from stages.old_logprobs import engine_logprobs_and_masks, policy_old_logprobs, probs_gap
 
 
 @dg.asset(
@@ -41,8 +41,8 @@ def old_logprobs(
         model_version=it,
         compute=policy_old_logprobs,
     )
-    engine = df.set_index("rollout_id").loc[out["rollout_id"], "rollout_logprobs"].tolist()
-    gap, _, _ = probs_gap(out["old_logprobs"].tolist(), engine)  # over every rollout (ReMax baselines too)
+    engine, masks = engine_logprobs_and_masks(df, out["rollout_id"])
+    gap, _, _ = probs_gap(out["old_logprobs"].tolist(), engine, masks)  # over every rollout (ReMax baselines too)
     return dg.MaterializeResult(
         metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap},
         data_version=data_version("old_logprobs", v),

@@ -5,6 +5,7 @@ import numpy as np
 
 from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
+from stages.old_logprobs import engine_logprobs_and_masks
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
 
 
@@ -35,10 +36,11 @@ def ref_logprobs(
         model_version=REF_POLICY_VERSION,
         compute=reference_logprobs,
     )
-    log_ratio = np.concatenate(
+    engine, masks = engine_logprobs_and_masks(df, out["rollout_id"])
+    log_ratio = np.concatenate(  # over the model's tokens (observation tokens' rollout_logprobs are placeholders)
         [
-            np.asarray(a) - np.asarray(b)
-            for a, b in zip(df.sort_values("rollout_id")["rollout_logprobs"], out["ref_logprobs"], strict=True)
+            (np.asarray(a) - np.asarray(b))[np.ones(len(a), bool) if m is None else np.asarray(m, bool)]
+            for a, b, m in zip(engine, out["ref_logprobs"], masks or [None] * len(engine), strict=True)
         ]
         or [np.zeros(0)]
     )

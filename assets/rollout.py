@@ -9,6 +9,7 @@ from assets.common import (
     check_spec,
     data_version,
     iteration_of,
+    outside_dag,
     read_recorded,
     run_iterations,
     timed,
@@ -19,6 +20,7 @@ from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompt_batch import build_prompt_batch
 from stages.rollout import sample_rollouts
+from stages.turns import turns_table
 
 
 @dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("prompt_batches"))
@@ -103,6 +105,34 @@ def rollouts(
             ),
             weights_check(out, model_store.for_run(cfg.run_id).policy_fingerprint(it), it),
         ],
+    )
+
+
+@dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("turns"))
+def turns(
+    context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource
+) -> dg.MaterializeResult:
+    """Multi-turn rollouts: one row per assistant turn and tool observation of every trajectory, with its token
+    span, tool name, arguments, observation, latency and error (stages/turns.py)."""
+    cfg, it = run_config.load(), iteration_of(context)
+    if skipped := outside_dag(cfg, "turns"):
+        return skipped
+    rollouts_df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
+    with timed() as t:
+        out = turns_table(rollouts_df)
+    v = write_table(
+        rollout_store, cfg, "turns", out, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
+    )
+    tool = out[out["role"] == "tool"]
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": v,
+            "turns": len(out),
+            "tool_calls": len(tool),
+            "tool_errors": int(tool["error"].notna().sum()),
+            "rollouts_with_tool_calls": int(tool["rollout_id"].nunique()),
+        },
+        data_version=data_version("turns", v),
     )
 
 

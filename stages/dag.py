@@ -34,6 +34,11 @@ def uses_reference(cfg: RunConfig) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def uses_multi_turn(cfg: RunConfig) -> bool:
+    """Multi-turn tool-calling rollouts (rollout.multi_turn.enable): their turns, one row each (`turns`)."""
+    return bool(cfg.rollout.multi_turn.enable)
+
+
 def uses_judge(cfg: RunConfig) -> bool:
     """A generative judge scores the training rollouts (reward.judge): its verdicts (`judgements`)."""
     return bool(cfg.reward.judge.enable)
@@ -72,6 +77,8 @@ ITERATION: tuple[Stage, ...] = (
           table=True,  timing="timing_s/prompt_batch"),
     Stage("rollouts",          "stages.rollout",       ("prompt_batches",),
           table=True,  timing="timing_s/rollouts"),
+    Stage("turns",             "stages.turns",         ("rollouts",),
+          table=True,                                     when=uses_multi_turn),
     Stage("ref_logprobs",      "stages.ref_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/ref_logprobs",    when=uses_reference),
     # the policy that sampled (version == iteration) is found like the rollouts' (ModelStore.require)

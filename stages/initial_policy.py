@@ -6,21 +6,66 @@ from pathlib import Path
 
 import pandas as pd
 
+from stages.data.custom_reward import parse_extra_info
+from stages.data.tool_arith import CALCULATOR, TOOL_ARITH_SOURCE, hermes_tool_call
 from stages.io.checkpoints import atomic_dir
-from stages.models.policy import load_policy, save_policy
+from stages.models.policy import load_policy, observation_token_ids, save_policy
 from stages.models.smollm2 import resolve_model_path
-from stages.models.tiny import build_char_tokenizer, build_tiny_model, warmstart_sft
+from stages.models.tiny import Segment, build_char_tokenizer, build_tiny_model, warmstart_sft
+
+
+def tool_demo(tok, expression: str, answer: str, *, opens: bool = True) -> list[Segment]:
+    """A calculator trajectory as warm-start segments: the call + EOS (trained; its opening `<tool_call>` token
+    only when `opens`), the observation `answer` as the rollout appends it (observation_token_ids, not trained),
+    then `#### answer` + EOS (trained)."""
+    eos = [tok.eos_token_id]
+    call = tok(hermes_tool_call(CALCULATOR, {"expression": expression}), add_special_tokens=False)["input_ids"]
+    return [
+        (call[:1], opens),
+        (call[1:] + eos, True),
+        (observation_token_ids(tok, answer), False),
+        (tok(f"#### {answer}", add_special_tokens=False)["input_ids"] + eos, True),
+    ]
+
+
+def warmstart_examples(tiny_cfg, tok, train_prompts: pd.DataFrame) -> list[tuple[list[dict], str | list[Segment]]]:
+    """(messages, response) warm-start examples: per train prompt a warmstart_answer_formats answer (cycled),
+    except for rlake/tool_arith rows. Those show the calculator trajectory (tool_demo) at an even spread of
+    warmstart_tool_call_fraction f of them (row k of them when floor((k+1)f) > floor(kf)) and answer directly
+    otherwise, so the model opens a call on about f of the prompts. Every direct-answer row also gets its
+    trajectory with the opening token not trained: the call's body and the copy of the observation are learned
+    from every row, the decision to call from f of them."""
+    formats, frac = tiny_cfg.warmstart_answer_formats, tiny_cfg.warmstart_tool_call_fraction
+    examples: list[tuple[list[dict], str | list[Segment]]] = []
+    k = 0  # index among the tool rows
+    for i, (p, rm, source, extra) in enumerate(
+        zip(*(train_prompts[c] for c in ("prompt", "reward_model", "data_source", "extra_info")), strict=True)
+    ):
+        answer = formats[i % len(formats)].format(answer=rm["ground_truth"])
+        if source != TOOL_ARITH_SOURCE:
+            examples.append((list(p), answer))
+            continue
+        if not tiny_cfg.tool_tokens:
+            raise ValueError(
+                f"{TOOL_ARITH_SOURCE} prompts warm-start the tiny model on calculator calls, whose JSON and "
+                "<tool_call> tags its character vocab lacks; set model.tiny.tool_tokens=true "
+                "(configs/tool_tiny_cpu.yaml does)"
+            )
+        opens = int((k + 1) * frac) > int(k * frac)
+        k += 1
+        examples.append(
+            (list(p), tool_demo(tok, parse_extra_info(extra)["expression"], str(rm["ground_truth"]), opens=opens))
+        )
+        if not opens:
+            examples.append((list(p), answer))
+    return examples
 
 
 def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> tuple:
     """(model, tokenizer, warm-start metadata) of the tiny model after its SFT on the train prompts."""
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(tool_tokens=model_cfg.tiny.tool_tokens)
     model = build_tiny_model(model_cfg.tiny, len(tok), seed=seed)
-    formats = model_cfg.tiny.warmstart_answer_formats
-    examples = [
-        (list(p), formats[i % len(formats)].format(answer=rm["ground_truth"]))
-        for i, (p, rm) in enumerate(zip(train_prompts["prompt"], train_prompts["reward_model"], strict=True))
-    ]
+    examples = warmstart_examples(model_cfg.tiny, tok, train_prompts)
     losses = warmstart_sft(model, tok, examples, model_cfg.tiny, seed=seed)
     meta = (
         {"warmstart_first_loss": losses[0], "warmstart_last_loss": losses[-1], "warmstart_steps": len(losses)}

@@ -12,6 +12,7 @@ from configs.schema import RunConfig
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
 from stages.old_logprobs import probs_gap
+from stages.train.batching import row_masks
 from stages.train.critic import critic_metrics
 from stages.workers.actor_worker import METRICS_FILE
 
@@ -37,11 +38,35 @@ def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response
         **_stats("prompt_length", scored["prompt_token_ids"].map(len)),
     }
     m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
+    masks = row_masks(scored.get("response_mask"))  # multi-turn: response_length counts observation tokens too
+    if masks is not None:
+        model_tokens = [int(n) if k is None else sum(k) for n, k in zip(lengths, masks, strict=True)]
+        m["response_length/model_tokens_mean"] = float(np.mean(model_tokens))
+    m |= multi_turn_metrics(scored)
     groups = scored.groupby("group_id")["reward"]
     m["critic/score/group_all_equal_frac"] = float((groups.nunique() == 1).mean())
     if len(baselines):
         m["remax/baseline_reward/mean"] = float(baselines["reward"].mean())
     return m | algorithm_metrics(scored, advantages)
+
+
+def multi_turn_metrics(scored: pd.DataFrame) -> dict[str, float]:
+    """Multi-turn rollouts (their `turns` column): num_turns/{mean,max,min} (verl's, assistant and tool turns),
+    multi_turn/tool_call_rate (rollouts with a tool call), multi_turn/tool_calls/mean (observations per rollout),
+    multi_turn/tool_error_rate (observations with an error). Nothing for single-turn rollouts."""
+    if "turns" not in scored or not scored["turns"].map(lambda t: t is not None and len(t) > 0).any():
+        return {}
+    turns = [list(t) if t is not None else [] for t in scored["turns"]]
+    tools = [[dict(x) for x in t if dict(x)["role"] == "tool"] for t in turns]
+    observations = [x for t in tools for x in t]
+    return {
+        **_stats("num_turns", np.array([len(t) for t in turns])),
+        "multi_turn/tool_call_rate": float(np.mean([len(t) > 0 for t in tools])),
+        "multi_turn/tool_calls/mean": float(np.mean([len(t) for t in tools])),
+        "multi_turn/tool_error_rate": float(np.mean([x["error"] is not None for x in observations]))
+        if observations
+        else 0.0,
+    }
 
 
 def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
@@ -89,7 +114,7 @@ def probs_diff_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[s
     if [len(x) for x in old] != advantages["response_token_ids"].map(len).tolist():
         return {}  # an advantages table without them (written by an older rlake)
     engine = scored.set_index("rollout_id").loc[advantages["rollout_id"], "rollout_logprobs"].tolist()
-    metrics, _, _ = probs_gap(old, engine)
+    metrics, _, _ = probs_gap(old, engine, row_masks(advantages.get("response_mask")))  # model tokens only
     return metrics
 
 

@@ -27,7 +27,7 @@ import torch
 
 from configs.schema import ActorConfig, RunConfig
 from stages.algos.probs_diff import rollout_probs_diff
-from stages.train.batching import logprob_temperature, ragged_to_padded
+from stages.train.batching import logprob_temperature, loss_mask, ragged_to_padded, row_masks
 from stages.update import actor_workers
 from stages.workers.actor_worker import ActorWorker
 from stages.workers.group import call_with_retry
@@ -81,10 +81,10 @@ def compute_old_logprobs(
         worker = ActorWorker(0, 1, torch.get_num_threads(), strategy=actor.strategy)
         out = worker.compute_log_prob(policy_dir, rows, actor, temperature)
     out = out.sort_values("rollout_id").reset_index(drop=True)
-    engine = rollouts.set_index("rollout_id").loc[out["rollout_id"], "rollout_logprobs"].tolist()
+    engine, masks = engine_logprobs_and_masks(rollouts, out["rollout_id"])
     if not (out["old_logprobs"].map(len).to_numpy() == np.asarray([len(e) for e in engine])).all():
         raise AssertionError("old log-probs and response lengths differ: an actor rank returned rows of other rollouts")
-    _, row_max, row_mean = probs_gap(out["old_logprobs"].tolist(), engine)
+    _, row_max, row_mean = probs_gap(out["old_logprobs"].tolist(), engine, masks)
     return out.assign(rollout_probs_diff_max=row_max.numpy(), rollout_probs_diff_mean=row_mean.numpy())
 
 
@@ -94,13 +94,24 @@ def rank_shards(rows: pd.DataFrame, ranks: int) -> list[pd.DataFrame]:
     return shards + [rows.iloc[0:0]] * (ranks - len(shards))
 
 
+def engine_logprobs_and_masks(rollouts: pd.DataFrame, rollout_ids) -> tuple[list, list[list[int] | None] | None]:
+    """(the engine's rollout_logprobs, the response masks (row_masks) or None) of rollout_ids' rollouts, in
+    that order."""
+    rows = rollouts.set_index("rollout_id").loc[list(rollout_ids)]
+    return rows["rollout_logprobs"].tolist(), row_masks(rows.get("response_mask"))
+
+
 def probs_gap(
-    old_logprobs: Sequence[Sequence[float]], rollout_logprobs: Sequence[Sequence[float]]
+    old_logprobs: Sequence[Sequence[float]],
+    rollout_logprobs: Sequence[Sequence[float]],
+    masks: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
     """stages.algos.probs_diff.rollout_probs_diff of N rollouts' ragged log-prob lists (equal lengths per
-    rollout; every listed token counted): (verl's five metrics, per-rollout max (N,), per-rollout mean (N,))."""
-    lengths = torch.tensor([len(x) for x in rollout_logprobs], dtype=torch.long)  # (N,)
-    width = max(1, int(lengths.max())) if len(lengths) else 1
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
+    rollout): (verl's five metrics, per-rollout max (N,), per-rollout mean (N,)). Every listed token is counted
+    except where the rollout's response mask (masks, row_masks: N 0/1 lists or None = all ones) is 0:
+    observation tokens, whose rollout_logprobs are 0.0 placeholders (the engine did not sample them)."""
+    lengths = [len(x) for x in rollout_logprobs]
+    width = max(1, max(lengths)) if lengths else 1
+    mask = loss_mask(lengths, width, masks)  # (N, L)
     old = ragged_to_padded(old_logprobs, width)  # (N, L)
     return rollout_probs_diff(old, ragged_to_padded(rollout_logprobs, width), mask)

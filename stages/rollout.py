@@ -20,6 +20,7 @@ from stages import seeds
 from stages.filter_groups import generate_until_full
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
+from stages.tools import resolve_tool_config
 from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
@@ -39,6 +40,15 @@ def sampling_from_config(
         stop=tuple(rollout_cfg.stop),
         greedy=greedy,
     )
+
+
+def resolved_multi_turn(rollout_cfg: RolloutConfig):
+    """rollout.multi_turn with its tool_config_path made absolute here, on the driver (a Ray worker's current
+    directory is not the driver's); None when multi-turn is off."""
+    mt = rollout_cfg.multi_turn
+    if not mt.enable:
+        return None
+    return mt.model_copy(update={"tool_config_path": str(resolve_tool_config(mt.tool_config_path))})
 
 
 def rollout_group(rollout_cfg: RolloutConfig, gpus: GpuPool = CPU_ONLY) -> WorkerGroup:
@@ -89,19 +99,20 @@ def generate_rollouts(
     closed afterwards, when none is given). gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default
     is a CPU run."""
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
+    mt = resolved_multi_turn(rollout_cfg)
     if use_ray:
         shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
         parts = call_with_retry(
             lambda: rollout_group(rollout_cfg, gpus),
-            lambda g: g.call_each(RolloutWorker.generate, [(model_dir, shard, spec) for shard in shards]),
+            lambda g: g.call_each(RolloutWorker.generate, [(model_dir, shard, spec, mt, True) for shard in shards]),
         )
         out = pd.concat(parts, ignore_index=True)
     elif local_worker is not None:
-        out = local_worker.generate(model_dir, prompt_batch, spec)
+        out = local_worker.generate(model_dir, prompt_batch, spec, mt)
     else:
         worker = local_rollout_worker(rollout_cfg)
         try:
-            out = worker.generate(model_dir, prompt_batch, spec)
+            out = worker.generate(model_dir, prompt_batch, spec, mt)
         finally:
             worker.close()
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)

@@ -48,6 +48,7 @@ def update_request(
         temperature=logprob_temperature(cfg.rollout.temperature),
         checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}",
         gpus=GpuPool.of(cfg.trainer),
+        rollout_correction=cfg.algorithm.rollout_correction,
     )
 
 

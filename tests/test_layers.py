@@ -36,6 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("algos", ("stages.algos",)),
     # datasets and rule rewards; engines and policy I/O; Delta tables, checkpoints, SQL, tracking
     ("data/models/io", ("stages.data", "stages.models", "stages.io")),
+    # tools of multi-turn rollouts (calculator, Python sandbox, the runner) and the agent loop over an engine
+    ("tools", ("stages.tools",)),
     # the PPO micro-batch loop, optimizers, batching, Megatron
     ("train", ("stages.train",)),
     # one Ray actor class per role + WorkerGroup

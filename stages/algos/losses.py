@@ -22,6 +22,8 @@ Choices (verl's core_algos semantics):
   seq-mean-token-mean (as verl, whatever loss_agg_mode says).
 - POLICY_LOSS_FNS maps verl's `policy_loss.loss_mode` names (vanilla, gspo) to functions with one
   shared signature.
+- Rollout correction (verl's algorithm.rollout_correction): optional detached weights (stages.algos.rollout_is)
+  multiply the per-token loss of either mode before aggregation; clip fractions and ppo_kl ignore them.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def aggregate_loss(
     raise ValueError(f"Unknown loss_agg_mode '{mode}'. Valid: {list(LOSS_AGG_MODES)}")
 
 
+# long: verl's vanilla loss as one formula (clip, dual clip, rollout-correction weights) with its metrics
 def compute_policy_loss(
     old_logprobs: Tensor,
     logprobs: Tensor,
@@ -115,6 +118,7 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_batch: GlobalBatch | None = None,
     norm_length: int | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip; verl's "vanilla" loss mode.
 
@@ -127,6 +131,8 @@ def compute_policy_loss(
         advantages: (N, L) token advantages.
         response_mask: (N, L) float {0,1}.
         loss_agg_mode, global_batch, norm_length: as aggregate_loss (N rows of the micro-batch).
+        rollout_is_weights: (N, L) detached rollout-correction weights (stages.algos.rollout_is) multiplying
+            the per-token loss before aggregation (verl); None = no correction (the loss is unchanged).
     Returns:
         (loss, metrics) with actor/pg_loss (this micro-batch's share of the mini-batch loss),
         actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (means over the micro-batch's tokens).
@@ -142,6 +148,8 @@ def compute_policy_loss(
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # (N, L)
     loss_dual = torch.minimum(loss_ppo, -advantages * clip_ratio_c)
     loss_mat = torch.where(advantages < 0, loss_dual, loss_ppo)  # (N, L)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights  # (N, L)
     loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, norm_length=norm_length, global_batch=global_batch)
     with torch.no_grad():
         clipped = (loss_clipped > loss_unclipped).float()
@@ -155,6 +163,7 @@ def compute_policy_loss(
     return loss, metrics
 
 
+# long: the GSPO paper's loss as one formula (sequence ratio, clip, rollout-correction weights) with its metrics
 def compute_policy_loss_gspo(
     old_logprobs: Tensor,
     logprobs: Tensor,
@@ -167,6 +176,7 @@ def compute_policy_loss_gspo(
     loss_agg_mode: str = "seq-mean-token-mean",
     global_batch: GlobalBatch | None = None,
     norm_length: int | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO: PPO clipping on a length-normalized sequence ratio (verl's "gspo" loss mode).
 
@@ -184,6 +194,7 @@ def compute_policy_loss_gspo(
             dual clip in GSPO, and the paper's objective is seq-mean-token-mean, which verl uses whatever
             actor.loss_agg_mode says (so does rlake).
         global_batch: as aggregate_loss.
+        rollout_is_weights: (N, L) or None, as compute_policy_loss.
     Returns:
         (loss, metrics) with actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower (0),
         actor/ppo_kl.
@@ -196,6 +207,8 @@ def compute_policy_loss_gspo(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)  # (N, L)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights  # (N, L)
     loss = aggregate_loss(loss_mat, response_mask, "seq-mean-token-mean", global_batch=global_batch)
     with torch.no_grad():
         metrics = {
@@ -219,7 +232,7 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
 
     Every entry takes (old_logprobs (N, L), logprobs (N, L), advantages (N, L),
     response_mask (N, L), *, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
-    global_batch, norm_length) and returns (loss, metrics).
+    global_batch, norm_length, rollout_is_weights) and returns (loss, metrics).
     """
     if name not in POLICY_LOSS_FNS:
         raise ValueError(f"Unknown policy loss '{name}'. Valid: {sorted(POLICY_LOSS_FNS)}")

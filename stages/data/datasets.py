@@ -15,6 +15,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from stages import seeds
+from stages.data.tool_arith import generate_tool_arith_task
 from stages.data.word_problems import generate_word_problem_task
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
@@ -63,9 +64,12 @@ def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
 
 
 def generate_synthetic_task(out_dir: str | Path, cfg) -> tuple[str, str]:
-    """The configured synthetic task (cfg.task: addition | word_problems) as train/val parquet paths."""
+    """The configured synthetic task (cfg.task: addition | word_problems | tool_arithmetic) as train/val parquet
+    paths."""
     if cfg.task == "word_problems":
         return generate_word_problem_task(out_dir, cfg)
+    if cfg.task == "tool_arithmetic":
+        return generate_tool_arith_task(out_dir, cfg)
     return generate_arith_task(out_dir, cfg)
 
 

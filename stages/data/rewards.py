@@ -14,8 +14,8 @@
   scores 0.0.
 - DAPO (verl's `math_dapo.py`): +1.0 if correct, -1.0 otherwise (`score` and `format_score` are
   ignored), returned as verl does with its extras: {"score", "acc", "pred"} (acc and pred become columns).
-- rlake's own sources: rlake/arith and rlake/gsm8k_synth (the synthetic tasks) and the alias
-  "gsm8k" score as openai/gsm8k. verl routes none of these three.
+- rlake's own sources: rlake/arith, rlake/gsm8k_synth and rlake/tool_arith (the synthetic tasks) and the
+  alias "gsm8k" score as openai/gsm8k. verl routes none of these four.
 - verl routes "math" to its DAPO scorer, and so does rlake (it is not an alias of the MATH scorer).
 
 Installed packages add scorers through the entry-point group `rlake.rewards` (name = data_source, value =
@@ -132,6 +132,7 @@ REWARD_FNS: dict[str, Callable[..., Any]] = {
     "gsm8k": score_gsm8k,
     "rlake/arith": score_gsm8k,
     "rlake/gsm8k_synth": score_gsm8k,
+    "rlake/tool_arith": score_gsm8k,
 }
 REWARD_PREFIXES: tuple[tuple[str, Callable[..., Any]], ...] = (("aime", score_math_dapo),)
 """(prefix, scorer): a data_source not in REWARD_FNS that starts with the prefix (verl: aime*)."""

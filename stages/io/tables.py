@@ -7,6 +7,22 @@ import pyarrow as pa
 _KEYS = [pa.field("run_id", pa.string(), nullable=False), pa.field("iteration", pa.int64(), nullable=False)]
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 _TOKENS = pa.list_(pa.int32())
+_RESPONSE_MASK = pa.list_(pa.int8())
+
+_TURN_FIELDS = [
+    pa.field("turn_index", pa.int32()),
+    pa.field("role", pa.string()),  # assistant (model tokens, trained) | tool (an observation, not trained)
+    # the turn's tokens are response_token_ids[token_start:token_end]; the spans of a rollout's turns concatenate
+    # to its response_token_ids
+    pa.field("token_start", pa.int32()),
+    pa.field("token_end", pa.int32()),
+    pa.field("text", pa.string()),
+    pa.field("tool_name", pa.string()),  # tool turns: the tool(s) called by the turn before (comma-separated)
+    pa.field("tool_arguments", pa.string()),  # their arguments, JSON (a list when several calls)
+    pa.field("observation", pa.string()),  # what the tools returned, as the model saw it (cut, error text)
+    pa.field("latency_s", pa.float64()),
+    pa.field("error", pa.string()),  # a tool's error or timeout (null: it answered)
+]
 
 PROMPT_FIELDS = [
     pa.field("prompt_id", pa.int64(), nullable=False),
@@ -32,6 +48,9 @@ ROLLOUT_FIELDS = [
     pa.field("prompt_token_ids", _TOKENS),
     pa.field("response_token_ids", _TOKENS),
     pa.field("rollout_logprobs", pa.list_(pa.float32())),
+    # multi-turn: 1 = a model token (trained), 0 = an observation token (a tool's output: context only, no loss,
+    # no KL, no advantage), one per response token; null = every token is the model's (single-turn rollouts)
+    pa.field("response_mask", _RESPONSE_MASK),
     pa.field("response_text", pa.string()),
     pa.field("response_length", pa.int32()),
     pa.field("finish_reason", pa.string()),
@@ -44,6 +63,8 @@ ROLLOUT_FIELDS = [
     pa.field("gen_round", pa.int32()),  # DAPO dynamic sampling: generation round (0 without it)
     # ReMax: the greedy response of a prompt (sample_index -1), its reward is the group's baseline; never trained on
     pa.field("is_baseline", pa.bool_()),
+    # multi-turn: the trajectory's turns in order (null for single-turn rollouts); the `turns` table is their rows
+    pa.field("turns", pa.list_(pa.struct(_TURN_FIELDS))),
 ]
 
 REWARD_FIELDS = [
@@ -100,10 +121,13 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("policy_version", pa.int64()),
             pa.field("prompt_token_ids", _TOKENS),
             pa.field("response_token_ids", _TOKENS),
+            pa.field("response_mask", _RESPONSE_MASK),  # the rollout's (null: all ones); advantages are 0 where 0
             pa.field("reward", pa.float64()),
             pa.field("advantage", pa.float32()),
             pa.field("token_advantages", pa.list_(pa.float32())),
             pa.field("adv_estimator", pa.string()),
+            # the engine's log-probs (the rollout's), for the update's algorithm.rollout_correction
+            pa.field("rollout_logprobs", pa.list_(pa.float32())),
             # the old_logprobs stage's: the PPO ratio's denominator and the KL-in-reward's policy log-probs,
             # and the rollout's engine-vs-trainer probability gap (its max and mean over the response)
             *OLD_LOGPROB_FIELDS,
@@ -157,6 +181,16 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("judge_model", pa.string()),
         ]
     ),
+    # multi-turn rollouts (rollout.multi_turn): one row per turn of each rollout, assistant and tool turns in order
+    "turns": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64()),
+            pa.field("prompt_id", pa.int64()),
+            *_TURN_FIELDS,
+        ]
+    ),
     "iteration_metrics": pa.schema(
         _KEYS
         + [
@@ -172,6 +206,7 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "is_baseline": False,
     "ref_logprobs": [],
     "old_logprobs": [],
+    "rollout_logprobs": [],
     "rollout_probs_diff_max": None,
     "rollout_probs_diff_mean": None,
     "rm_score": None,
@@ -184,6 +219,8 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "extra_info": None,
     "reward_version": None,
     "reward_extra_keys": [],
+    "response_mask": None,
+    "turns": None,
 }
 """Values of columns a writer may omit (added by algorithms that not every run uses): store.to_arrow fills them."""
 EXTRA_COLUMNS: dict[str, str] = {"scored_rollouts": "reward_extra_keys"}

@@ -19,6 +19,25 @@ def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
 
+def observation_token_ids(tokenizer, content: str, role: str = "tool") -> list[int]:
+    """The token ids appended after an assistant turn for a tool's observation `content` (multi-turn rollouts,
+    stages/tools/agent_loop.py): the chat template's rendering of a `role` message plus the generation prompt, as the
+    delta between rendering [user, role message] and [user] alone, tokenized on its own. Only these ids are
+    encoded, never the conversation again, so the ids before them stay exactly as generated."""
+    probe = [{"role": "user", "content": "x"}]
+    head = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        probe + [{"role": role, "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    if not full.startswith(head):
+        raise ValueError(
+            "the tokenizer's chat template renders a conversation differently once a message follows it, so the "
+            f"observation of a '{role}' message cannot be appended as a delta; use a chat template that renders "
+            "messages independently (ChatML, Qwen, SmolLM2 and rlake's tiny template do)"
+        )
+    return list(tokenizer(full[len(head) :], add_special_tokens=False)["input_ids"])
+
+
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of a local HF checkpoint (left padding, pad falls back to eos); no weights read."""
     path = Path(model_dir)

@@ -24,16 +24,31 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+TOOL_CHARS = '"%&;<>@[\\]^_`{|}~'
+"""The characters of Hermes tool-call JSON (and the rest of ASCII punctuation) that CHARS lacks."""
+TOOL_SPECIAL_TOKENS = ["<|tool|>"]
+"""The role header of a tool observation (CHAT_TEMPLATE renders role tool as `<|tool|>{content}`)."""
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+"""Hermes tool-call delimiters, one token each and not special, so they survive skip_special_tokens."""
 
-def build_char_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """A character-level tokenizer with chat template, built in-process (under a second)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+
+def build_char_tokenizer(tool_tokens: bool = False):  # -> transformers.PreTrainedTokenizerFast
+    """A character-level tokenizer with chat template, built in-process (under a second).
+
+    tool_tokens (TinyModelConfig.tool_tokens) appends TOOL_CHARS, `<|tool|>` (special) and the Hermes
+    `<tool_call>` / `</tool_call>` (added, not special) at the end of the vocab: every other token keeps its id,
+    so a config without them builds exactly the vocab (and the model) it always did."""
+    extra = list(TOOL_CHARS) + TOOL_SPECIAL_TOKENS + TOOL_CALL_TOKENS if tool_tokens else []
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS) + extra)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    special = SPECIAL_TOKENS[2:] + (TOOL_SPECIAL_TOKENS if tool_tokens else [])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", additional_special_tokens=SPECIAL_TOKENS[2:]
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", additional_special_tokens=special
     )
+    if tool_tokens:
+        fast.add_tokens(TOOL_CALL_TOKENS)  # matched whole before the per-character split; ids from the vocab
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     return fast
@@ -80,20 +95,26 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, cfg=None) -> Pat
     return out
 
 
-def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg, seed: int = 0) -> list[float]:
+Segment = tuple[list[int] | str, bool]
+"""A piece of a multi-turn warm-start response: (token ids, or text to encode without EOS; trained or not)."""
+
+
+def warmstart_sft(
+    model, tokenizer, examples: list[tuple[list[dict], str | list[Segment]]], cfg, seed: int = 0
+) -> list[float]:
     """Supervised warm start: next-token loss on the response only. Returns per-step losses.
 
     Args:
-        examples: (chat messages, response text) pairs.
+        examples: (chat messages, response) pairs. A response is a text (encoded, EOS appended, all trained) or,
+            for a multi-turn demonstration, a list of segments (token ids or text, trainable): the segments are
+            concatenated as given (no EOS added) and the loss skips the non-trainable ones (tool observations).
         cfg: configs.schema.TinyModelConfig (warmstart_steps, warmstart_target_loss, warmstart_lr,
             warmstart_batch_size).
     """
     gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for messages, response in examples:
-        p = encode_chat(tokenizer, messages)[0]
-        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p, r))
+    rows = [
+        (encode_chat(tokenizer, messages)[0], *_response_ids(tokenizer, response)) for messages, response in examples
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0)
     schedule = _WarmstartSchedule(cfg.warmstart_steps, cfg.warmstart_target_loss)
     model.train()
@@ -117,17 +138,34 @@ def warmstart_sft(model, tokenizer, examples: list[tuple[list[dict], str]], cfg,
     return losses
 
 
-def _sft_batch(batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, labels, attention_mask), each (B, T): right-padded prompt+response, loss on the response."""
-    width = max(len(p) + len(r) for p, r in batch)
+def _response_ids(tokenizer, response: str | list[Segment]) -> tuple[list[int], list[bool] | None]:
+    """(response ids, trained flag per id or None = all): a text gets EOS appended, segments are as given."""
+    if isinstance(response, str):
+        return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None
+    ids: list[int] = []
+    trained: list[bool] = []
+    for piece, trainable in response:
+        piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if isinstance(piece, str) else list(piece)
+        ids += piece_ids
+        trained += [bool(trainable)] * len(piece_ids)
+    return ids, trained
+
+
+def _sft_batch(
+    batch: list[tuple[list[int], list[int], list[bool] | None]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask), each (B, T): right-padded prompt+response, loss on the response's
+    trained tokens (labels -100 on the prompt, padding and non-trained response tokens)."""
+    width = max(len(p) + len(r) for p, r, _ in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     attn = torch.zeros(len(batch), width, dtype=torch.long)
-    for b, (p, r) in enumerate(batch):
+    for b, (p, r, trained) in enumerate(batch):
         seq = p + r
         ids[b, : len(seq)] = torch.tensor(seq)
         attn[b, : len(seq)] = 1
-        labels[b, len(p) : len(seq)] = torch.tensor(r)
+        target = r if trained is None else [t if keep else -100 for t, keep in zip(r, trained, strict=True)]
+        labels[b, len(p) : len(seq)] = torch.tensor(target)  # (len(r),)
     return ids, labels, attn
 
 

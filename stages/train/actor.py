@@ -20,7 +20,14 @@ from torch import Tensor
 from stages.algos.losses import GlobalBatch, gather_logprobs
 from stages.train.batching import actor_batch, model_device, response_logits, select_rows, to_device
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
-from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, mean_over_workers, ppo_loop
+from stages.train.ppo_loop import (
+    MetricAccumulator,
+    accumulate_grads,
+    actor_loss,
+    apply_rollout_correction,
+    mean_over_workers,
+    ppo_loop,
+)
 
 
 def _world_size() -> int:
@@ -57,25 +64,33 @@ def ppo_update(
     ddp_model=None,
     no_sync=None,
     temperature: float = 1.0,
+    rollout_correction=None,
 ) -> dict[str, float]:
     """One iteration's policy optimization on this worker's share of the batch.
 
     Args:
         rows: prompt_token_ids (list of N lists), response_token_ids (N lists), advantages (N,)
-            float tensor, optional ref_logprobs and old_logprobs (N lists each). N is this worker's rollouts; they are
-            split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
+            float tensor, optional ref_logprobs and old_logprobs (N lists each), optional response_mask (N 0/1
+            lists or None, stages.train.batching.row_masks: observation tokens (0) stay in the context but get no
+            loss, KL or entropy and do not count in loss_agg_mode's normalisation). N is this worker's rollouts;
+            they are split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
         ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module); None for a
             model that syncs its own gradients (FSDP's fully_shard, stages.train.fsdp).
         no_sync: a context manager deferring the gradient reduction to the mini-batch's last micro-batch;
             default DDP's ddp_model.no_sync (FSDP: stages.train.fsdp.no_grad_sync(model)).
         temperature: logits are divided by it for old/new log-probs and the entropy (verl: the
             rollout's sampling temperature, so the PPO ratio compares the distributions that sampled).
+        rollout_correction: algorithm.rollout_correction (configs.schema.RolloutCorrectionConfig) or None; when
+            on, rows must carry the engine's rollout_logprobs (N lists), and the policy loss is corrected
+            (stages.train.ppo_loop.apply_rollout_correction; its rollout_corr/ metrics are returned too).
     Returns:
         metrics averaged over optimizer steps and workers (loss terms: the mini-batch's loss): actor/pg_loss, ...
     """
     world = _world_size()
     train_model = ddp_model or model
-    batch = to_device(actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss), model_device(model))
+    on = rollout_correction is not None and rollout_correction.enabled
+    batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss, rollout_logprobs=on)
+    batch = to_device(batch, model_device(model))
     n = batch["input_ids"].shape[0]
     mb_size = actor_cfg.ppo_micro_batch_size
     param_dtype = actor_cfg.mixed_precision.param_dtype
@@ -86,6 +101,7 @@ def ppo_update(
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // world
     assert n % per_worker_mini == 0, f"{n=} rollouts not divisible into mini-batches of {per_worker_mini}"
     metrics = MetricAccumulator()
+    metrics.add_all(apply_rollout_correction(batch, rollout_correction, dp_size=world))
 
     def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:
         logits = response_logits(train_model, mb, temperature, param_dtype=param_dtype)  # (n_mb, L, V)

@@ -30,7 +30,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
@@ -41,7 +40,16 @@ from stages.algos.losses import GlobalBatch
 from stages.algos.masking import masked_mean, masked_var
 from stages.io.checkpoints import OPTIMIZER_FILE, atomic_dir, save_optimizer_state
 from stages.models.policy import load_tokenizer
-from stages.train.batching import model_device, pad_rollouts, ragged_to_padded, select_rows, to_device
+from stages.train.batching import (
+    loss_mask,
+    masked_fill_zero,
+    model_device,
+    pad_rollouts,
+    ragged_to_padded,
+    row_masks,
+    select_rows,
+    to_device,
+)
 from stages.train.optim import CRITIC_GRAD_ERROR, clip_grads, make_optimizer, restore_optimizer
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, critic_loss, ppo_loop
 
@@ -218,17 +226,20 @@ def critic_update(
 
     Args:
         rows: prompt_token_ids, response_token_ids, values (rollout-time values), returns (GAE
-            returns): N ragged lists each.
+            returns): N ragged lists each; optional response_mask (N 0/1 lists or None, row_masks): observation
+            tokens (0) get no value loss and do not count in its normalisation.
         critic_cfg: configs.schema.CriticConfig.
     Returns:
         metrics averaged over optimizer steps (critic/vf_loss: the mini-batch's loss): critic/vf_loss,
         critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr.
     """
-    batch = pad_rollouts(rows["prompt_token_ids"], rows["response_token_ids"], pad_id)
+    batch = pad_rollouts(
+        rows["prompt_token_ids"], rows["response_token_ids"], pad_id, row_masks(rows.get("response_mask"))
+    )
     n, width = batch["responses"].shape
-    batch["old_values"] = ragged_to_padded(rows["values"], width) * batch["response_mask"]  # (N, L)
-    batch["returns"] = ragged_to_padded(rows["returns"], width) * batch["response_mask"]  # (N, L)
+    batch["old_values"] = masked_fill_zero(ragged_to_padded(rows["values"], width), batch["response_mask"])  # (N, L)
+    batch["returns"] = masked_fill_zero(ragged_to_padded(rows["returns"], width), batch["response_mask"])  # (N, L)
     batch = to_device(batch, model_device(model))
     mini_size, micro = critic_cfg.ppo_mini_batch_size * n_per_prompt, critic_cfg.ppo_micro_batch_size
     assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
@@ -266,7 +277,7 @@ def update_rows(advantages: pd.DataFrame, values: pd.DataFrame) -> dict:
             "`values` and `advantages` of this iteration so both come from the same rollouts"
         )
     df = df.sort_values("rollout_id").reset_index(drop=True)
-    return {
+    rows = {
         k: [list(x) for x in df[c]]
         for k, c in (
             ("prompt_token_ids", "prompt_token_ids"),
@@ -275,6 +286,7 @@ def update_rows(advantages: pd.DataFrame, values: pd.DataFrame) -> dict:
             ("returns", "returns"),
         )
     }
+    return rows | {"response_mask": row_masks(df.get("response_mask"))}
 
 
 def run_critic_update(
@@ -306,12 +318,13 @@ def run_critic_update(
 
 
 def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[str, float]:
-    """verl's compute_data_metrics critic part over response tokens: critic/values|returns|advantages
-    /mean|max|min and critic/vf_explained_var = 1 - Var(returns - values) / Var(returns)."""
+    """verl's compute_data_metrics critic part over the model's response tokens (observation tokens left out):
+    critic/values|returns|advantages/mean|max|min and critic/vf_explained_var = 1 - Var(returns - values) /
+    Var(returns)."""
     df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="inner")
-    width = max(1, int(df["response_token_ids"].map(len).max()))
-    lengths = torch.tensor(df["response_token_ids"].map(len).to_numpy(dtype=np.int64))
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, L)
+    lengths = df["response_token_ids"].map(len).tolist()
+    width = max(1, max(lengths, default=1))
+    mask = loss_mask(lengths, width, row_masks(df.get("response_mask")))  # (N, L)
     tensors = {
         name: ragged_to_padded(df[col], width)
         for name, col in (("values", "values"), ("returns", "returns"), ("advantages", "token_advantages"))

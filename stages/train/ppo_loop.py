@@ -26,6 +26,7 @@ from torch import Tensor
 
 from stages.algos.kl import compute_kl_penalty
 from stages.algos.losses import GlobalBatch, aggregate_loss, entropy_from_logits, gather_logprobs, get_policy_loss_fn
+from stages.algos.rollout_is import batch_normalize_weights, compute_rollout_correction, rollout_is_norm_terms
 from stages.algos.value import compute_value_loss
 from stages.train.batching import select_rows
 from stages.train.optim import optimizer_step
@@ -151,6 +152,37 @@ def accumulate_grads(
     fold_minibatch(metrics, micro_metrics)
 
 
+def apply_rollout_correction(batch: dict, cfg, *, dp_size: int = 1, group=None) -> dict[str, float]:
+    """verl's decoupled rollout correction (algorithm.rollout_correction; stages.algos.rollout_is) of this rank's
+    padded batch, in place, once before the optimizer steps: from its old_logprobs and the engine's
+    rollout_logprobs (N, L), batch["rollout_is_weights"] (N, L) for rollout_is, and for rollout_rs the
+    response_mask without the rejected tokens (so every loss term and the mini-batch counts leave them out, as
+    verl's). rollout_is_batch_normalize divides by the mean over all dp_size ranks of `group` (a collective).
+    Returns the rollout_corr/ metrics of this rank's rows ({} and no change when cfg is None or off)."""
+    if cfg is None or not cfg.enabled:
+        return {}
+    mask = batch["response_mask"]
+    weights, new_mask, metrics = compute_rollout_correction(
+        batch["old_logprobs"],
+        batch["rollout_logprobs"],
+        mask,
+        rollout_is=cfg.rollout_is,
+        is_bounds=cfg.is_bounds(),
+        rs_bounds=cfg.rs_bounds(),
+    )
+    if weights is not None and cfg.rollout_is_batch_normalize:
+        terms = rollout_is_norm_terms(weights, mask, cfg.rollout_is)  # (2,) this rank's [sum, count]
+        if dp_size > 1:
+            terms = terms.to(collective_device(group))
+            dist.all_reduce(terms, group=group)
+        weights, norm_metrics = batch_normalize_weights(weights, terms.cpu())
+        metrics |= norm_metrics
+    if weights is not None:
+        batch["rollout_is_weights"] = weights
+    batch["response_mask"] = new_mask
+    return metrics
+
+
 def clip_bounds(actor_cfg) -> tuple[float, float]:
     """(clip_ratio_low, clip_ratio_high), each defaulting to actor.clip_ratio."""
     low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
@@ -166,7 +198,7 @@ def actor_loss(
     (+ kl_loss_coef * KL to the reference policy with actor.use_kl_loss), every term aggregated with
     actor.loss_agg_mode over `global_batch` (verl >= 0.8; None: the micro-batch is the mini-batch).
 
-    mb: responses, response_mask, old_logprobs, advantages (and ref_logprobs), (n_mb, L) each.
+    mb: responses, response_mask, old_logprobs, advantages (and ref_logprobs, rollout_is_weights), (n_mb, L) each.
     Returns (loss, metrics): the policy loss's actor/pg_loss, pg_clipfrac, ... plus actor/entropy
     (and actor/kl_loss); the loss terms are this micro-batch's shares of the mini-batch's values."""
     logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
@@ -182,6 +214,7 @@ def actor_loss(
         clip_ratio_high=high,
         clip_ratio_c=actor_cfg.clip_ratio_c,
         loss_agg_mode=mode,
+        rollout_is_weights=mb.get("rollout_is_weights"),
         **agg,
     )
     entropy = aggregate_loss(entropy_from_logits(logits), mask, mode, **agg)

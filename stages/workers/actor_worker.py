@@ -50,7 +50,7 @@ from stages.io.checkpoints import CHECKPOINT_ID, atomic_dir, checkpoint_identity
 from stages.io.store import read_partition
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
-from stages.train.batching import pad_rollouts
+from stages.train.batching import pad_rollouts, row_masks
 from stages.train.fsdp import gather_checkpoint, no_grad_sync, shard_policy
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
 from stages.train.megatron.cpu_patches import apply_cpu_patches
@@ -90,6 +90,9 @@ def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
     for column in ("token_advantages", "ref_logprobs"):
         if column in part.columns:
             rows[column] = [list(x) for x in part[column]]
+    rows["response_mask"] = row_masks(part.get("response_mask"))  # multi-turn: 0 = observation token (no loss)
+    if req.rollout_correction.enabled and "rollout_logprobs" in part.columns:  # checked by actor_batch
+        rows["rollout_logprobs"] = [[] if x is None else list(x) for x in part["rollout_logprobs"]]
     old = stored_old_logprobs(part)
     if old is not None:
         rows["old_logprobs"] = old
@@ -176,7 +179,8 @@ def old_logprob_rows(
 ) -> pd.DataFrame:
     """Rows (rollout_id, policy_version, old_logprobs) of `rows`' rollouts in their order: the log-probs of each
     response token under `model` at `temperature`, padded as the update pads (pad_rollouts) and micro-batched
-    by the update's compute_logprobs, at the update's compute dtype param_dtype."""
+    by the update's compute_logprobs, at the update's compute dtype param_dtype. Every response token gets one,
+    observation tokens of a multi-turn response too: the consumers leave those out through the response mask."""
     out: list[list[float]] = []
     if len(rows):
         responses = [list(map(int, r)) for r in rows["response_token_ids"]]
@@ -240,11 +244,8 @@ class ActorWorker(Worker):
     def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
         torch.manual_seed(seeds.update_rank(req.seed, self.rank))
         t0 = time.perf_counter()
-        res = (
-            self.resident
-            if self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim)
-            else None
-        )
+        held = self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim)
+        res = self.resident if held else None
         self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
         from_disk = res is None
         if res is None:
@@ -266,6 +267,7 @@ class ActorWorker(Worker):
             ddp_model=ddp,
             no_sync=(lambda: no_grad_sync(res.model)) if fsdp else None,
             temperature=req.temperature,
+            rollout_correction=req.rollout_correction,
         )
         metrics["timing_s/update_load"] = t_load
         metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load
@@ -372,6 +374,7 @@ def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int, device: torch.de
         seed=req.seed,
         micro_batch_size=req.actor.megatron.micro_batch_size or req.actor.ppo_micro_batch_size,
         temperature=req.temperature,
+        rollout_correction=req.rollout_correction,
     )
     metrics["timing_s/update_load"] = t_load
     metrics["timing_s/update_compute"] = time.perf_counter() - t0 - t_load

@@ -45,7 +45,8 @@ class RefWorker(Worker):
 
     def compute_ref_log_prob(self, batch: pd.DataFrame) -> pd.DataFrame:
         """Rows (rollout_id, policy_version, ref_policy_version, ref_logprobs) of the batch's rollouts, in its
-        order; ref_logprobs holds one float per response token."""
+        order; ref_logprobs holds one float per response token, observation tokens of a multi-turn response too
+        (the consumers leave them out through the response mask)."""
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(batch), self.micro_batch_size):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from configs.schema import ActorConfig, CriticConfig
+from configs.schema import ActorConfig, CriticConfig, RolloutCorrectionConfig
 from stages.workers.placement import CPU_ONLY, GpuPool
 
 
@@ -42,6 +42,8 @@ class UpdateRequest:
     """torch threads of each rank; None: the Ray cluster's CPUs split over actor.num_workers ranks."""
     gpus: GpuPool = CPU_ONLY
     """The run's GPU pool (GpuPool.of(cfg.trainer)): rank i trains on GPU i; the default is a CPU run."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """algorithm.rollout_correction: engine-vs-trainer importance weights / rejection in the policy loss (off)."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ import pandas as pd
 from stages import seeds
 from stages.io.checkpoints import checkpoint_identity
 from stages.models.engines import RolloutEngine, SamplingSpec, build_engine, resolve_engine_name
+from stages.models.policy import load_tokenizer
+from stages.tools import load_tools, run_agent_loop
 from stages.workers.group import Worker
 
 
@@ -53,6 +55,8 @@ class RolloutWorker(Worker):
         self.engine: RolloutEngine | None = None
         self.loaded: tuple[str, str, str] | None = None
         self.last_sync, self.last_sync_s = "none", 0.0
+        self.tokenizer = None  # (checkpoint identity, tokenizer): multi-turn rollouts encode observations
+        self.tools = None  # (tool_config_path, name -> Tool): multi-turn rollouts
 
     def sync(self, model_dir: str) -> str:
         """Make the engine hold model_dir: "cached" when it already does, "in_place" when only the weights
@@ -83,19 +87,64 @@ class RolloutWorker(Worker):
                 kwargs["device"] = str(self.device)
         return kwargs
 
-    def generate(self, model_dir: str, batch: pd.DataFrame, sampling: SamplingSpec) -> pd.DataFrame:
+    def generate(
+        self, model_dir: str, batch: pd.DataFrame, sampling: SamplingSpec, multi_turn=None, use_ray: bool = False
+    ) -> pd.DataFrame:
         """Sync to model_dir, then one row per (prompt row, sample) with token ids, logprobs, finish reason,
         timings, how the engine was synced and the fingerprint of the weights it generated with
         (`engine_weights_fingerprint`: stages.models.fingerprint, read from the engine's model after its
         last load; equal to fingerprint_checkpoint(model_dir) unless the weights never reached it). Sampling
-        is seeded by the shard's first prompt_id, so the same prompts get the same seed whatever the sharding."""
+        is seeded by the shard's first prompt_id, so the same prompts get the same seed whatever the sharding.
+
+        multi_turn: rollout.multi_turn (configs.schema.MultiTurnConfig); when enabled each row is a tool-calling
+        trajectory (stages.tools.agent_loop) with its response_mask and turns, its tools run as Ray tasks when
+        use_ray."""
         if self.engine is not None:
             self.engine.wake_up()  # a no-op unless it sleeps between generations (vLLM on a shared GPU)
         self.sync(model_dir)
         t0 = time.perf_counter()
         seed = None if sampling.seed is None else seeds.engine_shard(sampling.seed, int(batch["prompt_id"].min()))
         spec = SamplingSpec(**{**sampling.__dict__, "seed": seed})
-        outs = self.engine.generate([list(map(int, p)) for p in batch["prompt_token_ids"]], spec)
+        prompts = [list(map(int, p)) for p in batch["prompt_token_ids"]]
+        if multi_turn is not None and multi_turn.enable:
+            rows = self._multi_turn_rows(model_dir, batch, prompts, spec, multi_turn, use_ray)
+        else:
+            rows = self._rows(batch, self.engine.generate(prompts, spec))
+        out = pd.DataFrame(rows)
+        out["generate_s"] = time.perf_counter() - t0
+        out["engine_sync"] = self.last_sync
+        out["engine_sync_s"] = self.last_sync_s
+        out["engine_weights_fingerprint"] = self.engine.weights_fingerprint()
+        self.engine.sleep()  # frees the shared GPU for the trainer (a no-op without sleep mode)
+        return out
+
+    def _multi_turn_rows(self, model_dir: str, batch: pd.DataFrame, prompts, spec, multi_turn, use_ray) -> list[dict]:
+        if self.tokenizer is None or self.tokenizer[0] != self.loaded:
+            self.tokenizer = (self.loaded, load_tokenizer(model_dir))
+        if self.tools is None or self.tools[0] != multi_turn.tool_config_path:
+            self.tools = (multi_turn.tool_config_path, load_tools(multi_turn.tool_config_path))
+        tok = self.tokenizer[1]
+        trajs = run_agent_loop(self.engine, tok, prompts, spec, multi_turn, self.tools[1], use_ray=use_ray)
+        rows = []
+        for (_, prow), samples in zip(batch.iterrows(), trajs, strict=True):
+            for k, tr in enumerate(samples):
+                rows.append(
+                    {
+                        **prow.to_dict(),
+                        "sample_index": k,
+                        "response_token_ids": tr.token_ids,
+                        "rollout_logprobs": tr.logprobs,
+                        "response_mask": tr.mask,
+                        "response_text": tok.decode(tr.token_ids, skip_special_tokens=True),
+                        "response_length": len(tr.token_ids),
+                        "finish_reason": tr.finish_reason,
+                        "engine": self.engine.name,
+                        "turns": tr.turns,
+                    }
+                )
+        return rows
+
+    def _rows(self, batch: pd.DataFrame, outs) -> list[dict]:
         rows = []
         for (_, prow), gens in zip(batch.iterrows(), outs, strict=True):
             for k, g in enumerate(gens):
@@ -111,13 +160,7 @@ class RolloutWorker(Worker):
                         "engine": self.engine.name,
                     }
                 )
-        out = pd.DataFrame(rows)
-        out["generate_s"] = time.perf_counter() - t0
-        out["engine_sync"] = self.last_sync
-        out["engine_sync_s"] = self.last_sync_s
-        out["engine_weights_fingerprint"] = self.engine.weights_fingerprint()
-        self.engine.sleep()  # frees the shared GPU for the trainer (a no-op without sleep mode)
-        return out
+        return rows
 
     def close(self) -> None:
         """Free the engine (vLLM holds memory and threads until closed)."""

@@ -39,6 +39,7 @@ def test_definitions_load_and_jobs_resolve(defs) -> None:
         "initial_policy",
         "prompt_batches",
         "rollouts",
+        "turns",
         "ref_logprobs",
         "old_logprobs",
         "judgements",
@@ -59,7 +60,7 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
     }
     assert up["rollouts"] == {"prompt_batches"}
     assert up["scored_rollouts"] == {"rollouts", "judgements"} and up["judgements"] == {"rollouts"}
-    assert up["old_logprobs"] == {"rollouts"}
+    assert up["old_logprobs"] == {"rollouts"} and up["turns"] == {"rollouts"}
     assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "old_logprobs"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}
@@ -95,6 +96,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "prompts",
         "prompt_batches",
         "rollouts",
+        "turns",
         "ref_logprobs",
         "old_logprobs",
         "judgements",
@@ -115,7 +117,9 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
 
 
 def test_iteration_job_runs_the_critic_only_for_gae_and_the_reference_only_with_kl() -> None:
-    assert not {"values", "critic_checkpoint", "ref_logprobs", "judgements"} & _selected()
+    assert not {"values", "critic_checkpoint", "ref_logprobs", "judgements", "turns"} & _selected()
+    mt = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml")
+    assert "turns" in _selected(*mt)
     assert {"values", "critic_checkpoint"} <= _selected("algorithm.adv_estimator=gae")
     assert "ref_logprobs" in _selected("actor.use_kl_loss=true")
     assert "judgements" in _selected("reward.judge.enable=true", "reward.judge.model_path=/any")

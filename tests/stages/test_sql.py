@@ -23,11 +23,16 @@ _VALUE = {
 
 
 def _rows(name: str, n: int = 2) -> pd.DataFrame:
-    """n rows of table `name` with a plain value for every declared column (lists get [1], string lists [])."""
+    """n rows of table `name` with a plain value for every declared column (lists get [1], string lists [],
+    lists of structs (multi-turn `turns`) null)."""
     schema = SCHEMAS[name]
-    return pd.DataFrame(
-        {f.name: [_VALUE.get(f.type, [1])] * n for f in schema if f.name not in ("run_id", "iteration")}
-    )
+
+    def value(t: pa.DataType):
+        if pa.types.is_list(t) and pa.types.is_struct(t.value_type):
+            return None
+        return _VALUE.get(t, [1])
+
+    return pd.DataFrame({f.name: [value(f.type)] * n for f in schema if f.name not in ("run_id", "iteration")})
 
 
 @pytest.fixture

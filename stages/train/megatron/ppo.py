@@ -35,6 +35,7 @@ from stages.train.optim import ACTOR_GRAD_ERROR
 from stages.train.ppo_loop import (
     MetricAccumulator,
     actor_loss,
+    apply_rollout_correction,
     fold_minibatch,
     mean_over_workers,
     mini_batch_counts,
@@ -142,10 +143,12 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
     return norm
 
 
-def _prepare_batch(rows: dict, actor_cfg, pad_id: int, device: torch.device | str = "cpu") -> dict:
-    """The torch backend's batch (stages.train.batching.actor_batch) plus megatron's 4-D attention mask, every
-    tensor on `device` (the model stage's)."""
-    batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss)
+def _prepare_batch(
+    rows: dict, actor_cfg, pad_id: int, device: torch.device | str = "cpu", *, rollout_logprobs: bool = False
+) -> dict:
+    """The torch backend's batch (stages.train.batching.actor_batch, with the engine's rollout_logprobs when
+    rollout_logprobs) plus megatron's 4-D attention mask, every tensor on `device` (the model stage's)."""
+    batch = actor_batch(rows, pad_id, use_kl_loss=actor_cfg.use_kl_loss, rollout_logprobs=rollout_logprobs)
     batch["mask4d"] = megatron_attention_mask(batch["attention_mask"])  # (N, 1, T, T)
     return to_device(batch, device)
 
@@ -180,6 +183,7 @@ def megatron_ppo_update(
     micro_batch_size: int,
     seed: int = 0,
     temperature: float = 1.0,
+    rollout_correction=None,
 ) -> dict[str, float]:
     """One iteration's policy optimization of this rank's stage on its DP share of the batch.
 
@@ -190,7 +194,8 @@ def megatron_ppo_update(
     from megatron.core import parallel_state as ps  # noqa: PLC0415 - megatron-core is an optional extra
 
     dp = ps.get_data_parallel_world_size()
-    batch = _prepare_batch(rows, actor_cfg, pad_id, model_device(model))
+    on = rollout_correction is not None and rollout_correction.enabled
+    batch = _prepare_batch(rows, actor_cfg, pad_id, model_device(model), rollout_logprobs=on)
     n = batch["input_ids"].shape[0]
     model.eval()
     batch["old_logprobs"] = compute_old_logprobs(model, batch, micro_batch_size, vocab_size, temperature)
@@ -202,7 +207,8 @@ def megatron_ppo_update(
             f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
             "set actor.megatron.micro_batch_size to a divisor."
         )
-    metrics = MetricAccumulator()
+    metrics = MetricAccumulator()  # rollout correction: on the last stage's old log-probs (its metrics are kept)
+    metrics.add_all(apply_rollout_correction(batch, rollout_correction, dp_size=dp, group=ps.get_data_parallel_group()))
 
     def backward(micro: list[Tensor]) -> None:
         global_batch = mini_batch_counts(batch["response_mask"][torch.cat(micro)], dp, ps.get_data_parallel_group())
