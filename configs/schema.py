@@ -108,8 +108,9 @@ class TinyModelConfig(_Strict):
     `<|tool|>` and the JSON characters it lacks (stages/models/tiny.py); needed by multi-turn tool rollouts.
     Existing tokens keep their ids."""
     warmstart_tool_call_fraction: float = Field(0.3, ge=0.0, le=1.0)
-    """tool_arithmetic rows: share of warm-start demonstrations that are whole tool trajectories (calculator call,
-    observation, `#### N`); the rest answer directly. A share below one leaves RL the tool use to reinforce."""
+    """tool_arithmetic rows: share of warm-start demonstrations that open a calculator call (call, observation,
+    `#### N`); the rest answer directly, so the model calls the tool on about this share of prompts and RL has
+    the rest to win. Every row also shows the call's body (stages/initial_policy.py: warmstart_examples)."""
 
 
 class ModelConfig(_Strict):

@@ -36,6 +36,10 @@ SCHEMA = {
 }
 
 
+def _expression(rows: pd.DataFrame, i: int) -> str:
+    return json.loads(rows["extra_info"].iloc[i])["expression"]
+
+
 def _pairs(df: pd.DataFrame) -> set[frozenset[int]]:
     return {frozenset(map(int, json.loads(e)["expression"].split("*"))) for e in df["extra_info"]}
 
@@ -124,9 +128,14 @@ def test_warm_start_spreads_tool_demos_and_runs(tmp_path) -> None:
     )
     tok = build_char_tokenizer(tool_tokens=True)
     examples = warmstart_examples(cfg, tok, rows)
-    # fraction 0.3 over 10 rows: row k is a demo when floor(0.3 (k+1)) > floor(0.3 k), i.e. k = 3, 6, 9
-    assert [i for i, (_, r) in enumerate(examples) if not isinstance(r, str)] == [3, 6, 9]
-    assert examples[0][1] == f"#### {rows['reward_model'].iloc[0]['ground_truth']}"
+    # fraction 0.3 over 10 rows: row k opens the call when floor(0.3 (k+1)) > floor(0.3 k), i.e. k = 3, 6, 9;
+    # the other 7 rows answer directly and also get their trajectory with <tool_call> not trained: 3 + 2 * 7
+    kinds = ["text" if isinstance(r, str) else r[0][1] for _, r in examples]  # a text, or: <tool_call> trained
+    skip = [False, "text"]
+    assert kinds == skip * 3 + [True] + skip * 2 + [True] + skip * 2 + [True]
+    gt = rows["reward_model"].iloc[0]["ground_truth"]
+    assert examples[0] == (list(rows["prompt"].iloc[0]), tool_demo(tok, _expression(rows, 0), gt, opens=False))
+    assert examples[1][1] == f"#### {gt}" and examples[6][1][0] == ([tok.convert_tokens_to_ids("<tool_call>")], True)
     losses = warmstart_sft(build_tiny_model(cfg, len(tok)), tok, examples, cfg)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     with pytest.raises(ValueError, match="model.tiny.tool_tokens=true"):
