@@ -81,7 +81,11 @@ def shares_policy_tokenizer(cfg: RunConfig) -> bool:
     policy's token ids are scored as they are, else the rollouts' text is re-tokenized
     (stages/workers/reward_model_worker.py)."""
     path = cfg.model.path
-    policy = build_char_tokenizer() if path == "tiny" else load_tokenizer(resolve_model_path(path))
+    policy = (
+        build_char_tokenizer(tool_tokens=cfg.model.tiny.tool_tokens)
+        if path == "tiny"
+        else load_tokenizer(resolve_model_path(path))
+    )
     rm_vocab = load_tokenizer(cfg.reward.reward_model.model_path).get_vocab()
     return all(rm_vocab.get(token) == i for token, i in policy.get_vocab().items())
 

@@ -30,7 +30,7 @@ from stages.run.resume import check_causal_lm_dir
 def preflight_tokenizer(model_cfg):
     """The tokenizer the run will use, without loading weights (None when it is built later, e.g. a GGUF)."""
     if model_cfg.path == "tiny":
-        return build_char_tokenizer()
+        return build_char_tokenizer(tool_tokens=model_cfg.tiny.tool_tokens)
     if not Path(model_cfg.path).is_dir():
         return None  # a named model that a stage builds (stages/initial_policy.py) validates itself
     check_causal_lm_dir(model_cfg.path, what="model.path")

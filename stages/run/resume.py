@@ -182,7 +182,7 @@ def expected_model_signature(model_cfg) -> dict | None:
         t = model_cfg.tiny
         return {
             "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": len(build_char_tokenizer()),
+            "vocab_size": len(build_char_tokenizer(tool_tokens=t.tool_tokens)),
             "hidden_size": t.hidden_size,
             "num_hidden_layers": t.num_hidden_layers,
         }

@@ -54,9 +54,10 @@ def test_turn_spans_concatenate_to_the_rollout_tokens(trained) -> None:
         # the warm-started model calls the calculator in some of its rollouts, and it answers
         assert tool_rollouts > 0
         tools = turns[turns["role"] == "tool"]
-        assert tools["latency_s"].notna().all() and tools["tool_name"].isin(["calculator", None]).all()
-        # a call the model wrote badly (no parsable name) is an error observation, recorded as such
+        assert tools["latency_s"].notna().all()
+        # a call the model wrote badly (no parsable name, a misspelled tool) is an error observation, recorded
         assert tools.loc[tools["tool_name"].isna(), "error"].str.startswith("parse_error").all()
+        assert tools.loc[~tools["tool_name"].isin(["calculator", None]), "error"].notna().all()
         calculator_calls += int((tools["tool_name"] == "calculator").sum())
         assert tools["observation"].str.len().gt(0).all()
     assert calculator_calls > 0

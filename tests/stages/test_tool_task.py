@@ -140,3 +140,17 @@ def test_warm_start_spreads_tool_demos_and_runs(tmp_path) -> None:
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     with pytest.raises(ValueError, match="model.tiny.tool_tokens=true"):
         warmstart_examples(cfg.model_copy(update={"tool_tokens": False}), tok, rows)
+
+
+def test_resume_and_preflight_see_the_tool_vocabulary() -> None:
+    """A tool run's checkpoint has the extended vocabulary: resume's signature check and preflight's tokenizer
+    must expect it, or a resumed tool run is refused as another model."""
+    from configs.schema import load_config
+    from stages.run.preflight import preflight_tokenizer
+    from stages.run.resume import expected_model_signature
+
+    cfg = load_config("configs/ci_tiny_tools.yaml")
+    plain = load_config("configs/ci_tiny.yaml")
+    size = len(build_char_tokenizer(tool_tokens=True))
+    assert expected_model_signature(cfg.model)["vocab_size"] == size == len(preflight_tokenizer(cfg.model))
+    assert expected_model_signature(plain.model)["vocab_size"] == len(build_char_tokenizer()) < size
