@@ -175,9 +175,14 @@ def environment() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+def train_or_read(
+    argv: list[str] | None, doc: str, config: str, prefix: str
+) -> tuple[argparse.Namespace, Path, str, dict | None]:
+    """The command line of a README-numbers script: (its arguments, the run's tables dir, its run id, the run's
+    wall times or None). Without --output-dir it runs `rlake train --config <config>` (default `config`) in a new
+    directory named `prefix*` under the temp dir; with it, it reads the newest run there (or --run-id)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=config)
     p.add_argument("--output-dir", default=None, help="summarize the newest run there instead of training")
     p.add_argument("--run-id", default=None, help="with --output-dir: this run instead of the newest")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -185,12 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     timings = None
     if args.output_dir is None:
-        out = Path(tempfile.mkdtemp(prefix="rlake-main-job-"))
+        out = Path(tempfile.mkdtemp(prefix=prefix))
         timings = run_main_job(out, args.config, args.override)
     else:
         out = Path(args.output_dir).resolve()
     tables = out / "tables"
-    run_id = args.run_id or newest_run(tables)
+    return args, tables, args.run_id or newest_run(tables), timings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, tables, run_id, timings = train_or_read(argv, __doc__, "configs/tiny_cpu.yaml", "rlake-main-job-")
     text, result = build_table(metrics_frame(tables, run_id), timings, run_id)
     print("\n" + text)
     if args.json:

@@ -14,17 +14,15 @@ multi-turn metrics logged with them). `--json FILE` also writes the numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from main_job import environment, metrics_frame, newest_run, run_main_job
+from main_job import environment, metrics_frame, train_or_read
 
 PER_ITERATION_SQL = """
 WITH calls AS (
@@ -107,21 +105,7 @@ def build_tables(tables: Path, run_id: str) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/tool_tiny_cpu.yaml")
-    p.add_argument("--output-dir", default=None, help="summarize the newest run there instead of training")
-    p.add_argument("--run-id", default=None, help="with --output-dir: this run instead of the newest")
-    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
-    p.add_argument("override", nargs="*", help="key.sub=value overrides passed to rlake train")
-    args = p.parse_args(argv)
-    timings = None
-    if args.output_dir is None:
-        out = Path(tempfile.mkdtemp(prefix="rlake-tool-task-"))
-        timings = run_main_job(out, args.config, args.override)
-    else:
-        out = Path(args.output_dir).resolve()
-    tables = out / "tables"
-    run_id = args.run_id or newest_run(tables)
+    args, tables, run_id, timings = train_or_read(argv, __doc__, "configs/tool_tiny_cpu.yaml", "rlake-tool-task-")
     text, numbers = build_tables(tables, run_id)
     if timings:
         text += f"\nWall time: {timings['wall_s']:.0f} s for `rlake train --config {args.config}`."

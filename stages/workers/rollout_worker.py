@@ -109,7 +109,22 @@ class RolloutWorker(Worker):
         if multi_turn is not None and multi_turn.enable:
             rows = self._multi_turn_rows(model_dir, batch, prompts, spec, multi_turn, use_ray)
         else:
-            rows = self._rows(batch, self.engine.generate(prompts, spec))
+            outs = self.engine.generate(prompts, spec)
+            rows = self._rows(
+                batch,
+                [
+                    [
+                        {
+                            "response_token_ids": g.token_ids,
+                            "rollout_logprobs": g.logprobs,
+                            "response_text": g.text,
+                            "finish_reason": g.finish_reason,
+                        }
+                        for g in gens
+                    ]
+                    for gens in outs
+                ],
+            )
         out = pd.DataFrame(rows)
         out["generate_s"] = time.perf_counter() - t0
         out["engine_sync"] = self.last_sync
@@ -125,38 +140,36 @@ class RolloutWorker(Worker):
             self.tools = (multi_turn.tool_config_path, load_tools(multi_turn.tool_config_path))
         tok = self.tokenizer[1]
         trajs = run_agent_loop(self.engine, tok, prompts, spec, multi_turn, self.tools[1], use_ray=use_ray)
-        rows = []
-        for (_, prow), samples in zip(batch.iterrows(), trajs, strict=True):
-            for k, tr in enumerate(samples):
-                rows.append(
+        return self._rows(
+            batch,
+            [
+                [
                     {
-                        **prow.to_dict(),
-                        "sample_index": k,
                         "response_token_ids": tr.token_ids,
                         "rollout_logprobs": tr.logprobs,
                         "response_mask": tr.mask,
                         "response_text": tok.decode(tr.token_ids, skip_special_tokens=True),
-                        "response_length": len(tr.token_ids),
                         "finish_reason": tr.finish_reason,
-                        "engine": self.engine.name,
                         "turns": tr.turns,
                     }
-                )
-        return rows
+                    for tr in samples
+                ]
+                for samples in trajs
+            ],
+        )
 
-    def _rows(self, batch: pd.DataFrame, outs) -> list[dict]:
+    def _rows(self, batch: pd.DataFrame, samples: list[list[dict]]) -> list[dict]:
+        """One row per (prompt row, sample): the prompt row's columns, then the sample's (response_token_ids,
+        rollout_logprobs, response_text, finish_reason, and the multi-turn ones) with its index and length."""
         rows = []
-        for (_, prow), gens in zip(batch.iterrows(), outs, strict=True):
-            for k, g in enumerate(gens):
+        for (_, prow), per_prompt in zip(batch.iterrows(), samples, strict=True):
+            for k, sample in enumerate(per_prompt):
                 rows.append(
                     {
                         **prow.to_dict(),
                         "sample_index": k,
-                        "response_token_ids": g.token_ids,
-                        "rollout_logprobs": g.logprobs,
-                        "response_text": g.text,
-                        "response_length": len(g.token_ids),
-                        "finish_reason": g.finish_reason,
+                        **sample,
+                        "response_length": len(sample["response_token_ids"]),
                         "engine": self.engine.name,
                     }
                 )

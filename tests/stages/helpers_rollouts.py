@@ -6,6 +6,26 @@ import pandas as pd
 import torch
 
 
+def scored_rows(rewards: list[float], lengths: list[int], masks: list | None = None) -> pd.DataFrame:
+    """Scored rollouts for the advantage stage: groups of 4, 2-token prompts, responses of `lengths` tokens,
+    `rewards`; with masks (one 0/1 list or None per row) a multi-turn `response_mask` column."""
+    n = len(rewards)
+    out = pd.DataFrame(
+        {
+            "rollout_id": range(n),
+            "group_id": [i // 4 for i in range(n)],
+            "policy_version": 0,
+            "prompt_token_ids": [[5, 6]] * n,
+            "response_token_ids": [[7] * k for k in lengths],
+            "response_length": lengths,
+            "reward": rewards,
+        }
+    )
+    if masks is not None:
+        out["response_mask"] = pd.Series(masks, dtype=object)
+    return out
+
+
 def make_rows(n: int, seed: int = 0, vocab: int = 80) -> pd.DataFrame:
     """n rollouts in groups of 4 with varied prompt/response lengths and +-1 advantages."""
     g = torch.Generator().manual_seed(seed)

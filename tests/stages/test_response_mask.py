@@ -3,6 +3,9 @@ advantage, loss, KL, entropy or value loss, and do not count in the loss normali
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -18,6 +21,9 @@ from stages.train.batching import actor_batch, pad_rollouts, row_masks
 from stages.train.critic import critic_data_metrics, update_rows
 from stages.train.optim import make_optimizer
 from stages.train.ppo_loop import actor_loss, critic_loss
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers_rollouts import scored_rows
 
 GARBAGE = 1e6
 
@@ -44,25 +50,9 @@ def test_outcome_reward_sits_on_the_last_model_token() -> None:
     assert outcome_to_token_rewards(torch.tensor([2.0, 3.0]), mask).tolist() == [[0, 2, 0, 0], [0, 0, 0, 3]]
 
 
-def _scored(rewards, lengths, masks) -> pd.DataFrame:
-    n = len(rewards)
-    return pd.DataFrame(
-        {
-            "rollout_id": range(n),
-            "group_id": [i // 4 for i in range(n)],
-            "policy_version": 0,
-            "prompt_token_ids": [[5, 6]] * n,
-            "response_token_ids": [[7] * k for k in lengths],
-            "response_length": lengths,
-            "reward": rewards,
-            "response_mask": pd.Series(masks, dtype=object),
-        }
-    )
-
-
 def test_grpo_advantages_are_zero_on_observation_tokens_and_the_table_keeps_the_mask() -> None:
     masks = [[1, 0, 1], None, [1, 1], [1, 0, 0, 1]]
-    out = compute_advantage_table(_scored([1, 0, 0, 1], [3, 3, 2, 4], masks), AlgorithmConfig())
+    out = compute_advantage_table(scored_rows([1, 0, 0, 1], [3, 3, 2, 4], masks), AlgorithmConfig())
     # group rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.866025 on every MODEL token
     a = 0.866025
     want = [[a, 0, a], [-a, -a, -a], [-a, -a], [a, 0, 0, a]]
@@ -70,7 +60,7 @@ def test_grpo_advantages_are_zero_on_observation_tokens_and_the_table_keeps_the_
         assert list(got) == pytest.approx(w, abs=1e-5)
     assert out["response_mask"].tolist() == masks
     assert to_arrow("advantages", out.assign(run_id="r", iteration=0)).column("response_mask").to_pylist() == masks
-    single = compute_advantage_table(_scored([1, 0, 0, 1], [3, 3, 2, 4], [None] * 4), AlgorithmConfig())
+    single = compute_advantage_table(scored_rows([1, 0, 0, 1], [3, 3, 2, 4], [None] * 4), AlgorithmConfig())
     table = to_arrow("advantages", single.assign(run_id="r", iteration=0))
     assert table.column("response_mask").null_count == 4  # single-turn runs write null
 
@@ -86,7 +76,7 @@ def test_gae_skips_the_observation_tokens_hand_derived() -> None:
     # = -8.4, A0 = 8.5 + 0.5 * -8.4 = 4.3, R0 = 4.8.)
     # Whitened over the 2 counted tokens [0.1, 0.8]: mean 0.45, unbiased std sqrt(0.245) = 0.494975
     #   -> [-0.35 / 0.494975, 0.35 / 0.494975] = [-0.707107, 0.707107]
-    scored = _scored([1.0], [4], [[1, 0, 1, 0]])
+    scored = scored_rows([1.0], [4], [[1, 0, 1, 0]])
     values = pd.DataFrame({"rollout_id": [0], "values": [[0.5, 9.0, 0.2, 7.0]]})
     out = compute_advantage_table(scored, AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.5), values=values)
     assert list(out["returns"].iloc[0]) == pytest.approx([0.6, 0.0, 1.0, 0.0], abs=1e-6)
@@ -94,7 +84,7 @@ def test_gae_skips_the_observation_tokens_hand_derived() -> None:
 
 
 def test_kl_in_reward_counts_model_tokens_only() -> None:
-    scored = _scored([0.0], [3], [[1, 0, 1]]).assign(rollout_logprobs=[[-1.0, 0.0, -1.0]])
+    scored = scored_rows([0.0], [3], [[1, 0, 1]]).assign(rollout_logprobs=[[-1.0, 0.0, -1.0]])
     ref = pd.DataFrame({"rollout_id": [0], "ref_logprobs": [[-1.5, -GARBAGE, -2.0]]})
     old = pd.DataFrame(
         {
@@ -211,7 +201,7 @@ def test_probs_diff_skips_observation_tokens() -> None:
 def test_iteration_metrics_count_model_tokens_apart() -> None:
     from stages.metrics import probs_diff_metrics, rollout_metrics
 
-    scored = _scored([1.0, 0.0], [3, 2], [[1, 0, 1], None]).assign(
+    scored = scored_rows([1.0, 0.0], [3, 2], [[1, 0, 1], None]).assign(
         finish_reason="stop", rollout_logprobs=[[-1.0, 0.0, -1.0], [-1.0, -1.0]]
     )
     adv = compute_advantage_table(scored, AlgorithmConfig()).assign(old_logprobs=[[-1.0, -7.0, -1.0], [-1.0, -1.0]])

@@ -139,3 +139,12 @@ def test_update_off_on_with_unit_weights_and_all_rejected(tiny_checkpoint) -> No
     assert rs_m["actor/pg_loss"] == 0.0
     before, _ = load_policy(tiny_checkpoint)
     assert all(torch.equal(rs_params[k], v) for k, v in before.state_dict().items())
+
+
+def test_config_and_algos_list_the_same_rejection_options() -> None:
+    """configs/ may not import stages/algos (the lowest layer) and stages/algos imports torch/numpy only, so the
+    option list is written in both: they must stay one list."""
+    from configs.schema import ROLLOUT_RS_OPTIONS
+    from stages.algos.rollout_is import RS_OPTIONS
+
+    assert ROLLOUT_RS_OPTIONS == RS_OPTIONS
