@@ -36,7 +36,6 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     finish_reason: str = "stop"
-    done: bool = False
 
     def append(self, ids: list[int], logprobs: list[float], trained: bool, **turn) -> None:
         start = len(self.token_ids)
@@ -58,10 +57,6 @@ class Trajectory:
                 **turn,
             }
         )
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(t["role"] == "tool" for t in self.turns)
 
 
 def truncate_tokens(tokenizer, content: str, max_tokens: int) -> str:
@@ -131,11 +126,11 @@ def _take_turn(tr: Trajectory, g, budget: int, last: bool, multi_turn) -> list:
 
     tr.append(g.token_ids, g.logprobs, True, text=g.text)
     if g.finish_reason == "length" or len(tr.token_ids) >= budget:
-        tr.done, tr.finish_reason = True, "length"
+        tr.finish_reason = "length"
         return []
     calls = parse_tool_calls(g.text, multi_turn.format)
     if not calls or last:
-        tr.done, tr.finish_reason = True, "stop"
+        tr.finish_reason = "stop"
         return []
     return calls
 
@@ -170,7 +165,7 @@ def _observe(trajs, calls_of: dict, tokenizer, budget: int, multi_turn, tools: d
             error="; ".join(errors) or None,
         )
         if len(obs) >= room:  # no token left for the model after it: the trajectory ends here
-            tr.done, tr.finish_reason = True, "length"
+            tr.finish_reason = "length"
         else:
             open_keys.append(key)
     return open_keys
