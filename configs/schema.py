@@ -177,6 +177,11 @@ class RolloutConfig(_Strict):
     """Sequences per generate call inside an actor."""
     stop: list[str] = []
     """Extra stop strings (the EOS token always stops)."""
+    weight_sync: Literal["object_store", "storage"] = "object_store"
+    """How a new policy version reaches the rollout engines: `object_store` puts the state dict in Ray's object
+    store once and every engine gets it from there (no file crosses a node); `storage` has each engine fetch
+    the committed checkpoint from storage.root into its node's cache. Checkpoints are committed to storage
+    either way (resume, replay and UI re-materialization read them)."""
     gpu_memory_utilization: float = 0.5
     """vLLM on a GPU (verl's name and default): the fraction of the GPU's memory the engine may take for
     weights and KV cache; the rest is the colocated trainer's. On a GPU the engine also sleeps (frees its KV
@@ -706,11 +711,96 @@ class TrainerConfig(_Strict):
         return self
 
 
+RAY_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "judge")
+"""The worker groups a run places (stages/workers/*_worker.py); ray.resources_per_worker is keyed by them."""
+CREDENTIAL_KEY = re.compile(r"secret|password|passwd|token|credential|session|access_key", re.IGNORECASE)
+"""Option names that hold credentials: refused in a config (they would reach MLflow params and commit metadata)."""
+
+
+def _refuse_credentials(where: str, options: dict[str, Any]) -> None:
+    bad = sorted(k for k in options if CREDENTIAL_KEY.search(str(k)))
+    if bad:
+        raise ValueError(
+            f"{where} names credentials {bad}: a config is logged to MLflow params, Dagster run configs and Delta "
+            "commit metadata, so a secret in it would leak; remove them and set them in the environment instead "
+            "(e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, read by delta-rs and every rlake worker; name them in "
+            "ray.runtime_env.env_vars_from to forward them to the cluster)."
+        )
+
+
+class StorageConfig(_Strict):
+    """Where every table, checkpoint and dataset of a run lives (DESIGN.md "Cluster mode": no path crosses a node).
+
+    Local runs keep today's layout under trainer.output_dir; a cluster run points every node at one object store."""
+
+    root: str | None = None
+    """`file:///abs/dir` or `s3://bucket/prefix`: tables under <root>/tables, checkpoints under <root>/checkpoints.
+    None: file://<trainer.output_dir> (today's layout)."""
+    options: dict[str, str] = {}
+    """delta-rs / object-store options for root (e.g. AWS_ENDPOINT_URL, AWS_REGION, AWS_ALLOW_HTTP); credentials
+    are refused here and come from the environment only."""
+    cache_dir: str | None = None
+    """Node-local cache of checkpoints fetched by id (each node fills its own); None: ~/.cache/rlake/checkpoints."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StorageConfig:
+        if self.root is not None and not re.match(r"^(file|s3)://.+", self.root):
+            raise ValueError(
+                f"storage.root={self.root!r} is not a storage URI: rlake hands tables and checkpoints between nodes "
+                "by URI, and knows file:// and s3://; use e.g. file:///data/rlake or s3://my-bucket/rlake (null: "
+                "file://<trainer.output_dir>)."
+            )
+        _refuse_credentials("storage.options", self.options)
+        return self
+
+
 class RayConfig(_Strict):
-    address: str | None = None
-    """Attach to a running cluster; None starts a local one."""
+    address: str = "local"
+    """`local`: a new local Ray cluster of this process (bound to 127.0.0.1; never attaches to a running one);
+    `auto`: the cluster `ray start` made on this machine; `host:port` (or `ray://host:port`): that cluster's
+    GCS. Any cluster (not `local`) requires Ray's token auth (RAY_AUTH_MODE=token and the token in the
+    environment). null is read as `local`."""
     num_cpus: int | None = None
     """CPUs of the local cluster; None uses all."""
+    runtime_env: dict[str, Any] = {}
+    """Ray runtime_env forwarded to every rlake actor and task (working_dir, py_executable, pip, env_vars, ...).
+    Secrets do not belong in env_vars: `env_vars_from: [NAME, ...]` copies those variables from the driver's
+    environment at launch (storage credentials, HF_HUB_OFFLINE), so they never enter the config."""
+    resources_per_worker: dict[str, dict[str, float]] = {}
+    """Per role (actor, rollout, ref, critic, reward_model, judge) the Ray resources of each worker, e.g.
+    `{actor: {CPU: 2}, rollout: {CPU: 1}}`: a role named here gets one placement group of num_workers such
+    bundles (PACK; trainer rank order = bundle order) and torch threads = the bundle's CPUs. A role not named
+    requests nothing (num_cpus=0, placed anywhere: the local default)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_address(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "address" in data and data["address"] is None:
+            data = {**data, "address": "local"}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RayConfig:
+        unknown = sorted(set(self.resources_per_worker) - set(RAY_ROLES))
+        if unknown:
+            raise ValueError(
+                f"ray.resources_per_worker names unknown roles {unknown}: it is keyed by the worker groups a run "
+                f"places; use {list(RAY_ROLES)}."
+            )
+        for role, res in self.resources_per_worker.items():
+            if not res or any(v < 0 for v in res.values()):
+                raise ValueError(
+                    f"ray.resources_per_worker.{role}={res} must name at least one resource with a count >= 0 "
+                    "(e.g. {CPU: 1}), because it sizes that role's placement-group bundles; fix or remove it."
+                )
+        env_vars = self.runtime_env.get("env_vars") or {}
+        _refuse_credentials("ray.runtime_env.env_vars", env_vars)
+        return self
+
+    @property
+    def is_cluster(self) -> bool:
+        """Attaching to a cluster (auto or an address), not a new local one."""
+        return self.address != "local"
 
 
 class CriticConfig(_Strict):
@@ -748,6 +838,7 @@ class RunConfig(_Strict):
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     ray: RayConfig = RayConfig()
+    storage: StorageConfig = StorageConfig()
 
     def trainer_role(self, role: ActorConfig | CriticConfig) -> ActorConfig | CriticConfig:
         """`role` (cfg.actor or cfg.critic) as an update request carries it: loss_scale_factor resolved to

@@ -262,13 +262,14 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
     # a local cluster is this process's own: its namespace may be fixed (detached worker actors in the
     # anonymous namespace make the raylet print a warning); on a shared cluster each driver keeps its own
+    local = address in (None, "local")
     ray.init(
-        address=address,
-        num_cpus=None if address else num_cpus,
+        address="local" if local else address,
+        num_cpus=num_cpus if local else None,
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
-        namespace=None if address else "rlake",
+        namespace="rlake" if local else None,
     )
 
 
