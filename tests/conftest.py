@@ -44,3 +44,31 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     model = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), len(tok), seed=0)
     save_policy(model, tok, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """SeaweedFS S3 on 127.0.0.1 with bucket `rlake` (tests/servers.py), stopped by pid at the end."""
+    from tests.servers import start_s3
+
+    server = start_s3(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The S3 server's credentials and endpoint in this process's environment (as a cluster node has them)."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    """PostgreSQL 15 in a temp dir on 127.0.0.1 (tests/servers.py), stopped at the end."""
+    from tests.servers import start_postgres
+
+    server = start_postgres(tmp_path_factory.mktemp("pg"))
+    yield server
+    server.stop()

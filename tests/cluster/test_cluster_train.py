@@ -1,0 +1,207 @@
+"""`rlake train` on a three-node Ray cluster where no node can read another's disk (issue #18).
+
+Services are real and on 127.0.0.1: Postgres (Dagster's instance and MLflow's backend), SeaweedFS S3 (every
+table and checkpoint, MLflow's artifacts), an MLflow server, and a Ray head plus two worker nodes, each in its
+own mount namespace with a private /tmp (tests/cluster/ray_cluster.py). The driver runs on the head, as `ray job
+submit` would run it, with its output_dir on the head's private /tmp; the trainer ranks are pinned to node a and
+the rollout engine to node b by per-role resources, so every hand-off between driver, trainer and engine has to
+go through the bucket or Ray's object store. Worker nodes get no S3 credentials from their own environment:
+the run forwards them with ray.runtime_env.env_vars_from.
+
+The tests share one run and go in order: train 2 iterations, check where things landed, re-score iteration 1
+from a second process through the Postgres instance, kill the rollout node and resume to 3 iterations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+from tests.cluster.ray_cluster import RayCluster
+from tests.servers import start_mlflow, start_postgres, start_s3
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_ID = "cluster-run"
+PREFIX = "cluster"
+DRIVER_OUT = "/tmp/driver_out"  # on the head's private tmpfs: the driver's own disk
+CACHE = "/tmp/rlake-cache"  # each node's private checkpoint cache
+DAGSTER_YAML = """
+storage:
+  postgres:
+    postgres_url:
+      env: RLAKE_TEST_DAGSTER_PG_URL
+telemetry:
+  enabled: false
+"""
+
+
+class Env:
+    def __init__(self, workdir: Path) -> None:
+        self.pg = start_postgres(workdir / "pg")
+        self.s3 = start_s3(workdir / "s3")
+        self.mlflow = start_mlflow(
+            workdir / "mlflow", self.pg.create_db("mlflow"), self.s3.root("mlartifacts"), self.s3.env
+        )
+        self.dagster_pg = self.pg.create_db("dagster")
+        self.cluster = RayCluster(workdir / "ray")
+        self.cluster.start_head(num_cpus=0)
+        self.cluster.add_node("a", 2, {"trainer_node": 1})
+        self.cluster.add_node("b", 2, {"rollout_node": 1})
+
+    def overrides(self) -> list[str]:
+        opts = json.dumps(self.s3.storage_options)
+        return [
+            f"ray.address={self.cluster.gcs_address}",
+            "ray.num_cpus=null",
+            "ray.runtime_env={env_vars_from: [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY]}",
+            "ray.resources_per_worker={actor: {CPU: 1, trainer_node: 0.5}, rollout: {CPU: 1, rollout_node: 1}}",
+            f"storage.root={self.s3.root(PREFIX)}",
+            f"storage.options={opts}",
+            f"storage.cache_dir={CACHE}",
+            f"trainer.output_dir={DRIVER_OUT}",
+            f"trainer.mlflow_tracking_uri={self.mlflow.url}",
+        ]
+
+    def driver(self, *rlake_args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+        """`rlake ...` on the head node (in its mount namespace), DAGSTER_HOME on Postgres."""
+        home = "/tmp/dagster_home"
+        script = textwrap.dedent(f"""
+            import os, pathlib, sys
+            os.chdir({str(ROOT)!r})  # nsenter starts in / of the head's namespace
+            home = pathlib.Path({home!r}); home.mkdir(parents=True, exist_ok=True)
+            (home / "dagster.yaml").write_text({DAGSTER_YAML!r})
+            from pipelines.cli import main
+            sys.argv = ["rlake", *{list(rlake_args)!r}]
+            sys.exit(main())
+        """)
+        env = {
+            **os.environ,
+            **self.cluster.env,
+            **self.s3.env,
+            "DAGSTER_HOME": home,
+            "RLAKE_TEST_DAGSTER_PG_URL": self.dagster_pg,
+        }
+        head = self.cluster.node("head").proc.pid
+        cmd = ["nsenter", "-t", str(head), "-m", "--", sys.executable, "-c", script]
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+    def table(self, name: str) -> DeltaTable:
+        return DeltaTable(f"{self.s3.root(PREFIX)}/tables/{name}", storage_options={**self.s3.env})
+
+    def stop(self) -> None:
+        self.cluster.stop()
+        self.mlflow.stop()
+        self.s3.stop()
+        self.pg.stop()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = Env(tmp_path_factory.mktemp("cluster"))
+    yield e
+    e.stop()
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def trained(env):
+    proc = env.driver("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, *env.overrides())
+    _ok(proc)
+    return proc
+
+
+def test_tables_and_checkpoints_live_in_the_bucket(env, trained):
+    keys = env.s3.keys(PREFIX + "/")
+    for table in ("prompts", "rollouts", "scored_rollouts", "advantages", "iteration_metrics", "checkpoints"):
+        assert any(k.startswith(f"{PREFIX}/tables/{table}/_delta_log/") for k in keys), table
+    manifests = sorted(
+        k for k in keys if k.startswith(f"{PREFIX}/checkpoints/{RUN_ID}/") and k.endswith("MANIFEST.json")
+    )
+    versions = {k.split("/")[3] for k in manifests}
+    assert {"policy_v0", "policy_v1", "policy_v2"} <= versions, manifests
+    rows = env.table("checkpoints").to_pandas()
+    assert set(rows[rows.kind == "policy"].version) >= {0, 1, 2}
+    metrics = env.table("iteration_metrics").to_pandas()
+    assert sorted(metrics[metrics.run_id == RUN_ID].iteration) == [0, 1]
+
+
+def test_trainer_and_rollout_ran_on_their_own_nodes(env, trained):
+    placed = env.table("workers").to_pandas()
+    placed = placed[placed.run_id == RUN_ID]
+    actor = set(placed[placed.role == "actor"].node_id)
+    rollout = set(placed[placed.role == "rollout"].node_id)
+    assert actor == {env.cluster.node("a").node_id}, placed
+    assert rollout == {env.cluster.node("b").node_id}, placed
+
+
+def test_no_node_keeps_anything_but_its_cache(env, trained):
+    for name in ("a", "b"):
+        files = env.cluster.node(name).local_files("/tmp")
+        assert all(f.startswith("/rlake-cache/") for f in files), (name, files[:20])
+    driver = env.cluster.node("head").local_files("/tmp/driver_out")
+    assert not [f for f in driver if f.startswith(("/tables/", "/checkpoints/"))], driver[:20]
+    # MLflow's artifacts went through the server into the bucket, not onto the driver's disk
+    assert any(k.startswith("mlartifacts/") for k in env.s3.keys("mlartifacts/"))
+
+
+def test_rescore_from_a_second_process_through_postgres(env, trained):
+    before = env.table("scored_rollouts").version()
+    proc = env.driver(
+        "rescore", "--run-id", RUN_ID, "--iteration", "1", "--config", "configs/ci_tiny.yaml",
+        *env.overrides(), "reward.format_score=0.3",
+    )  # fmt: skip
+    _ok(proc)
+    scored = env.table("scored_rollouts")
+    assert scored.version() > before
+    commit = next(h for h in scored.history() if h.get("rlake.iteration") == "1")
+    upstream = json.loads(commit["rlake.upstream"])
+    rollouts_v = [
+        h["version"]
+        for h in env.table("rollouts").history()
+        if h.get("rlake.iteration") == "1" and h.get("rlake.run_id") == RUN_ID
+    ]
+    assert upstream["rollouts"] in rollouts_v
+    # the Dagster run of the rescore is in Postgres, next to the training's
+    check = subprocess.run(
+        [sys.executable, "-c", "import dagster as dg; i = dg.DagsterInstance.get(); print(len(i.get_runs()))"],
+        env={**os.environ, "DAGSTER_HOME": str(_home_for_test(env)), "RLAKE_TEST_DAGSTER_PG_URL": env.dagster_pg},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert int(check.stdout.strip().splitlines()[-1]) >= 3
+
+
+def _home_for_test(env) -> Path:
+    home = env.cluster.workdir / "dagster_home_view"
+    home.mkdir(exist_ok=True)
+    (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    return home
+
+
+def test_resume_after_losing_the_rollout_node(env, trained):
+    env.cluster.node("b").kill()
+    env.cluster.add_node("c", 2, {"rollout_node": 1})
+    proc = env.driver("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, "--steps", "3", *env.overrides())
+    _ok(proc)
+    metrics = env.table("iteration_metrics").to_pandas()
+    assert sorted(metrics[metrics.run_id == RUN_ID].iteration) == [0, 1, 2]
+    rollouts = env.table("rollouts").to_pandas(partitions=[("run_id", "=", RUN_ID), ("iteration", "=", "2")])
+    assert set(rollouts.policy_version) == {2}
+    placed = env.table("workers").to_pandas()
+    assert set(placed[(placed.run_id == RUN_ID) & (placed.role == "rollout") & (placed.iteration == 2)].node_id) == {
+        env.cluster.node("c").node_id
+    }
