@@ -158,7 +158,7 @@ def start_s3(workdir: Path, bucket: str = "rlake") -> S3Server:
         try:
             server.keys()
             return True
-        except Exception:  # noqa: BLE001 - not up yet (connection refused, bucket not made yet)
+        except Exception:  # not up yet (connection refused, bucket not made yet)
             return False
 
     _wait_for(ready, "SeaweedFS (weed mini)", 60, proc, log)
