@@ -6,6 +6,7 @@ iteration 3 are two partitions, and the UI's partition view shows one row of ite
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import pandas as pd
 
 from stages.dag import SETUP, STAGES, TABLES
 from stages.io import store
+from stages.io.checkpoints import checkpoint_row
 from stages.io.tables import PROMPTS_ITERATION
 
 runs = dg.DynamicPartitionsDefinition(name="run")
@@ -195,6 +197,48 @@ def write_table(
     upstream = {k: v for k, v in upstream.items() if v is not None}
     meta = lineage(cfg, stage=stage or table, policy_version=policy_version, upstream=upstream, duration_s=duration_s)
     return rollout_store.write(table, df, run_id=cfg.run_id, iteration=iteration, lineage=meta)
+
+
+def record_checkpoint(
+    rollout_store, cfg, manifest: dict, iteration: int, *, upstream: dict, metrics: dict | None = None
+) -> int:
+    """The `checkpoints` table row of a commit (stages.io.checkpoints) in partition (run, iteration), with the
+    writing stage's lineage (the table versions it read); rows of other checkpoints of the partition are kept
+    (the policy and critic updates of one iteration each write theirs). Returns the new Delta version."""
+    row = checkpoint_row(manifest, metrics)
+    rows = pd.DataFrame([row])
+    uri = rollout_store.uri("checkpoints")
+    if store.table_exists(uri):
+        try:
+            old, _ = rollout_store.read("checkpoints", cfg.run_id, iteration)
+            keep = ~((old["kind"] == row["kind"]) & (old["version"] == row["version"]))
+            rows = pd.concat([old[keep].drop(columns=["run_id", "iteration"]), rows], ignore_index=True)
+        except LookupError:
+            pass  # the partition's first checkpoint
+    stage = f"{row['kind']}_checkpoint" if row["version"] else f"initial_{row['kind']}"
+    return write_table(
+        rollout_store,
+        cfg,
+        "checkpoints",
+        rows,
+        iteration,
+        policy_version=row["version"],
+        upstream=upstream,
+        stage=stage,
+    )
+
+
+def checkpoint_metrics(rollout_store, run_id: str, iteration: int, kind: str, version: int) -> tuple[dict, int]:
+    """(the update metrics recorded with `kind` version `version` in the `checkpoints` table, table version read):
+    what the update returned through Ray, written by the asset that committed the checkpoint."""
+    rows, table_version = rollout_store.read("checkpoints", run_id, iteration)
+    row = rows[(rows["kind"] == kind) & (rows["version"] == version)]
+    if not len(row):
+        raise LookupError(
+            f"the checkpoints table has no row for {kind} version {version} of run {run_id} (iteration {iteration}): "
+            f"materialize {kind}_checkpoint of iteration {iteration} first"
+        )
+    return json.loads(row.iloc[-1]["metrics"] or "{}"), table_version
 
 
 def train_prompt_count(rollout_store, run_id: str) -> int:

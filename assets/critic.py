@@ -17,12 +17,14 @@ from assets.common import (
     iteration_of,
     outside_dag,
     read_recorded,
+    record_checkpoint,
     run_iterations,
     timed,
     write_table,
 )
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
 from stages.critic_update import train_critic
+from stages.io.checkpoints import checkpoint_target
 from stages.train.critic import prune_critics, require_critic
 from stages.values import rollout_values
 
@@ -47,7 +49,10 @@ def values(
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     with timed() as t:
+        created = it == 0 and ms.manifest(0, "critic") is None
         critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"values of iteration {it}")
+        if created:  # critic version 0, made from policy version 0 on first use
+            record_checkpoint(rollout_store, cfg, ms.manifest(0, "critic"), it, upstream={})
         vals = rollout_values(cfg, df, critic_dir, it)
     v = write_table(
         rollout_store, cfg, "values", vals, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
@@ -60,7 +65,7 @@ def values(
             "critic_version": it,
             "rollouts": len(vals),
             "values_mean": float(np.nanmean(flat)) if flat.size else 0.0,
-            "path": str(critic_dir),
+            "checkpoint_id": ms.manifest(it, "critic")["checkpoint_id"] or "none",
         },
         data_version=data_version("values", v),
         check_results=[dg.AssetCheckResult(check_name="values_finite", passed=bad == 0, metadata={"non_finite": bad})],
@@ -74,28 +79,27 @@ def critic_checkpoint(
     rollout_store: RolloutStoreResource,
     model_store: ModelStoreResource,
 ) -> dg.MaterializeResult:
-    """Critic update (clipped value loss towards the GAE returns); writes critic version iteration+1."""
+    """Critic update (clipped value loss towards the GAE returns); commits critic version iteration+1 (retracting
+    a committed one first: a re-materialization) and records it, with its metrics, in the `checkpoints` table."""
     cfg, it = run_config.load(), iteration_of(context)
     if skipped := outside_dag(cfg, "critic_checkpoint"):
         return skipped
     adv, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
     vals, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
-    out = ms.critic_dir(it + 1)
-    metrics = train_critic(
-        cfg,
-        it,
-        adv,
-        vals,
-        out_dir=out,
-        critic_dir=require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}"),
-    )
+    ms.retract(it + 1, "critic")
+    critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}")
+    metrics = train_critic(cfg, it, adv, vals, out_dir=checkpoint_target(ms, "critic", it + 1), critic_dir=critic_dir)
+    manifest = ms.manifest(it + 1, "critic")
+    upstream = {"advantages": adv_version, "values": values_version}
+    record_checkpoint(rollout_store, cfg, manifest, it, upstream=upstream, metrics=metrics)
     pruned = prune_critics(ms, cfg.trainer.save_freq, latest=it + 1)
     return dg.MaterializeResult(
         metadata={
             **metrics,
             "critic_version": it + 1,
-            "path": str(out),
+            "path": manifest["uri"],
+            "checkpoint_id": manifest["checkpoint_id"],
             "pruned_versions": pruned,
             "advantages_version": int(adv_version),
             "values_version": int(values_version),

@@ -10,6 +10,7 @@ from assets.common import (
     checkpoint_version,
     data_version,
     read_recorded,
+    record_checkpoint,
     runs,
     timed,
     write_table,
@@ -17,10 +18,11 @@ from assets.common import (
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.initial_policy import create_initial_policy
+from stages.io.checkpoints import checkpoint_target
 from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompts import build_prompt_rows
-from stages.run.resume import save_trainer_state
+from stages.run.resume import trainer_state_files
 
 
 @dg.asset(partitions_def=runs, group_name=DATA, kinds={"delta"})
@@ -54,41 +56,46 @@ def initial_policy(
     ray: RayResource,
     tracker: TrackerResource,
 ) -> dg.MaterializeResult:
-    """Policy version 0 (tiny model warm-started, or a copy of model.path), validated before training, and its
-    trainer_state.json (stages.run.resume)."""
+    """Policy version 0 (tiny model warm-started, or a copy of model.path) with its trainer_state.json
+    (stages.run.resume), committed and recorded in the `checkpoints` table, validated before training."""
     cfg = run_config.load()
     rows, prompts_version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
-    out = model_store.for_run(cfg.run_id).policy_dir(0)
-    meta = create_initial_policy(cfg.model, rows[rows["split"] == "train"], out, seed=cfg.seed)
+    ms, meta, manifest = commit_initial_policy(cfg, rows, rollout_store, model_store, prompts_version)
     ray.ensure()
-    tok = load_tokenizer(out)
-    scored = validation_rollouts(str(out), rows[rows["split"] == "val"], tok, cfg)
+    model_dir, tok = str(ms.require(0, needed_by="initial_policy")), load_tokenizer(ms.fetch(0))
+    scored = validation_rollouts(model_dir, rows[rows["split"] == "val"], tok, cfg)
     val = validation_summary(scored, cfg.rollout.n)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)
     tracker.log_metrics(mlflow_id, val, step=0)
     metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})
-    read_versions = {"prompts": prompts_version}
+    upstream = {"prompts": prompts_version}
     version = write_table(
-        rollout_store,
-        cfg,
-        "iteration_metrics",
-        metrics,
-        PROMPTS_ITERATION,
-        policy_version=0,
-        upstream=read_versions,
+        rollout_store, cfg, "iteration_metrics", metrics, PROMPTS_ITERATION, policy_version=0, upstream=upstream,
         stage="initial_policy",
-    )
+    )  # fmt: skip
     tracker.log_iteration(
-        mlflow_id,
-        rollout_store.root,
-        cfg.run_id,
-        PROMPTS_ITERATION,
-        metrics_version=version,
-        policy_version=0,
+        mlflow_id, rollout_store.location, cfg.run_id, PROMPTS_ITERATION, metrics_version=version, policy_version=0,
         validation=scored,
-    )
-    save_trainer_state(cfg, out, 0, int((rows["split"] == "train").sum()))
+    )  # fmt: skip
     return dg.MaterializeResult(
-        metadata={**meta, **val, "path": str(out), "metrics_delta_version": version},
+        metadata={
+            **meta,
+            **val,
+            "path": manifest["uri"],
+            "checkpoint_id": manifest["checkpoint_id"],
+            "metrics_delta_version": version,
+        },  # fmt: skip
         data_version=checkpoint_version("policy", 0, context),
     )
+
+
+def commit_initial_policy(cfg, rows: pd.DataFrame, rollout_store, model_store, prompts_version: int):
+    """(ModelStore, metadata, manifest): policy version 0 with its trainer_state.json committed (a
+    re-materialization retracts the committed one first) and recorded in the `checkpoints` table."""
+    ms, train = model_store.for_run(cfg.run_id), rows[rows["split"] == "train"]
+    ms.retract(0)
+    state = trainer_state_files(cfg, 0, len(train))
+    meta = create_initial_policy(cfg.model, train, checkpoint_target(ms, "policy", 0), seed=cfg.seed, extra_files=state)
+    manifest = ms.manifest(0)
+    record_checkpoint(rollout_store, cfg, manifest, PROMPTS_ITERATION, upstream={"prompts": prompts_version})
+    return ms, meta, manifest

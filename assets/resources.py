@@ -20,7 +20,7 @@ from pydantic import PrivateAttr, ValidationError
 from configs import compose
 from configs.errors import explain_config_error
 from configs.schema import RunConfig
-from stages.io import store
+from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tracking import (
     END_STATUSES,
@@ -131,22 +131,53 @@ def resolve_run_config(
 
 
 class RayResource(dg.ConfigurableResource):
-    """A local Ray cluster (started once per process) or an existing one at `address`."""
+    """Ray for run `run_id`: a new loopback-only local cluster (address `local`, started once per process) or
+    the cluster at `address` (token auth required). `runtime_env` is ray.runtime_env as configured (env var
+    names only: `env_vars_from` is read from the environment when connecting, so no secret enters the
+    resource's config); `resources_per_worker` places the roles it names (stages/workers/connect.py)."""
 
-    address: str | None = None
+    address: str | None = "local"
     num_cpus: int | None = None
+    run_id: str | None = None
+    runtime_env: dict[str, Any] = {}
+    resources_per_worker: dict[str, dict[str, float]] = {}
 
     def ensure(self) -> None:
-        ensure_ray(self.address, self.num_cpus)
+        ensure_ray(
+            self.address,
+            self.num_cpus,
+            run_id=self.run_id,
+            runtime_env=self.runtime_env,
+            resources_per_worker=self.resources_per_worker,
+        )
 
 
 class RolloutStoreResource(dg.ConfigurableResource):
-    """Delta tables under `root` (one directory per table), partitioned by run and iteration."""
+    """Delta tables under `root` (one table per name under it), partitioned by run and iteration.
+
+    `root` is a storage URI (a local directory or `s3://bucket/prefix/tables`, stages/io/uris.py) opened with
+    `storage_options` (storage.options: endpoint, region, allow_http; credentials stay in the environment).
+    `uri(table)` and `location` carry the options (a StorageURI), so code handed one (asset helpers, a
+    worker's request, the tracker) opens the table the same way."""
 
     root: str
+    storage_options: dict[str, str] = {}
+
+    @property
+    def location(self) -> str:
+        """The tables root, carrying the storage options (none for a local root)."""
+        return uris.with_options(uris.normalize(self.root), uris.options_of(self.root, self.storage_options))
 
     def uri(self, table: str) -> str:
-        return str(Path(self.root) / table)
+        return uris.join(self.location, table)
+
+    def exists(self, table: str) -> bool:
+        return store.table_exists(self.uri(table))
+
+    def lineage(self, table: str, *, run_id: str | None = None, iteration: int | None = None) -> list[dict[str, Any]]:
+        """Commit lineage of `table` (newest first; [] when the table does not exist)."""
+        uri = self.uri(table)
+        return store.commit_lineage(uri, run_id=run_id, iteration=iteration) if store.table_exists(uri) else []
 
     def write(self, table: str, df: pd.DataFrame, *, run_id: str, iteration: int, lineage: dict[str, Any]) -> int:
         return store.write_partition(self.uri(table), table, df, run_id=run_id, iteration=iteration, lineage=lineage)
@@ -161,12 +192,17 @@ class RolloutStoreResource(dg.ConfigurableResource):
 
 
 class ModelStoreResource(dg.ConfigurableResource):
-    """Versioned HF-format policy checkpoints under `root`."""
+    """Committed HF-format policy and critic checkpoints under `root` (a directory or a storage URI such as
+    s3://bucket/prefix/checkpoints; stages.io.checkpoints), fetched into `cache_dir` on the node that reads one."""
 
     root: str
+    cache_dir: str | None = None
+    """storage.cache_dir: the node-local cache of fetched checkpoints (None: ~/.cache/rlake/checkpoints)."""
+    storage_options: dict[str, str] | None = None
+    """storage.options (non-secret: endpoint, region, allow_http); credentials come from the environment."""
 
     def for_run(self, run_id: str) -> ModelStore:
-        return ModelStore(self.root, run_id)
+        return ModelStore(self.root, run_id, cache_dir=self.cache_dir, options=self.storage_options)
 
 
 class TrackerResource(dg.ConfigurableResource):
@@ -180,7 +216,10 @@ class TrackerResource(dg.ConfigurableResource):
     tracking_uri: str
     experiment_name: str = "rlake"
     artifact_root: str | None = None
-    """Where the experiment's artifacts go (else MLflow's default, ./mlruns of the current directory)."""
+    """Where a new experiment's artifacts go. None with a tracking server (http/https): the server decides (its
+    proxied `--artifacts-destination`, e.g. s3://bucket/mlartifacts), which is the only root every host can
+    write; pipelines.resources.tracker_for sets <trainer.output_dir>/mlartifacts for a store it opens itself
+    (sqlite). An experiment that already exists keeps the root it was created with."""
 
     def _client(self) -> MlflowClient:
         return MlflowClient(tracking_uri=self.tracking_uri)

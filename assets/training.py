@@ -8,11 +8,13 @@ from assets.common import (
     TRAIN,
     asset_deps,
     check_spec,
+    checkpoint_metrics,
     checkpoint_version,
     data_version,
     iteration_of,
     read_if,
     read_recorded,
+    record_checkpoint,
     run_iterations,
     train_prompt_count,
     upstream_version,
@@ -21,13 +23,15 @@ from assets.common import (
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
 from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
+from stages.io.checkpoints import checkpoint_target
 from stages.io.store import commit_lineage, table_exists
 from stages.io.tables import PROMPTS_ITERATION
 from stages.metrics import iteration_metrics as compute_iteration_metrics
 from stages.metrics import validates
 from stages.models.policy import load_tokenizer
-from stages.run.resume import save_trainer_state
+from stages.run.resume import trainer_state_files
 from stages.update import run_update, update_request
+from stages.workers.group import worker_placements
 
 
 @dg.asset(
@@ -51,24 +55,28 @@ def policy_checkpoint(
     model_store: ModelStoreResource,
     ray: RayResource,
 ) -> dg.MaterializeResult:
-    """PPO update on the run's persistent gloo worker group; writes policy version iteration+1 (HF format + optimizer
-    state) and its trainer_state.json (stages.run.resume), whether `rlake train` or the UI launched the run."""
+    """PPO update on the run's persistent gloo worker group; commits policy version iteration+1 (HF format +
+    optimizer state + its trainer_state.json, stages.run.resume) and records it in the `checkpoints` table with the
+    metrics the update returned, whether `rlake train` or the UI launched the run. A re-materialization retracts
+    the committed version first (stages.io.checkpoints: a commit never overwrites one)."""
     cfg, it = run_config.load(), iteration_of(context)
     ms = model_store.for_run(cfg.run_id)
     adv_version = upstream_version(context, rollout_store, "advantages", cfg.run_id, it)
-    out_dir = ms.policy_dir(it + 1)
+    replaced = ms.retract(it + 1)
     ray.ensure()
     request = update_request(
         cfg,
         it,
         advantages_uri=rollout_store.uri("advantages"),
         advantages_version=adv_version,
-        out_dir=out_dir,
+        out_dir=checkpoint_target(ms, "policy", it + 1),
         policy_dir=ms.require(it, needed_by=f"policy update of iteration {it}"),
+        extra_files=trainer_state_files(cfg, it + 1, train_prompt_count(rollout_store, cfg.run_id)),
     )
     metrics = run_update(request)
+    manifest = ms.manifest(it + 1)
+    record_checkpoint(rollout_store, cfg, manifest, it, upstream={"advantages": adv_version}, metrics=metrics)
     pruned = ms.prune(cfg.trainer.save_freq, latest=it + 1)
-    save_trainer_state(cfg, out_dir, it + 1, train_prompt_count(rollout_store, cfg.run_id))
     kl_check = ppo_kl_check(metrics, cfg.trainer.max_ppo_kl, it)
     if not kl_check.passed:
         context.log.error(kl_check.description)
@@ -76,7 +84,9 @@ def policy_checkpoint(
         metadata={
             **metrics,
             "policy_version": it + 1,
-            "path": str(out_dir),
+            "path": manifest["uri"],
+            "checkpoint_id": manifest["checkpoint_id"],
+            "replaced_checkpoint_id": (replaced or {}).get("checkpoint_id") or "none",
             "advantages_version": int(adv_version),
             "pruned_versions": pruned,
         },
@@ -129,26 +139,33 @@ def iteration_metrics(
     values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     new_dir = ms.require(it + 1, needed_by="iteration_metrics")
+    update, c_v = checkpoint_metrics(rollout_store, cfg.run_id, it, "policy", it + 1)
+    critic = checkpoint_metrics(rollout_store, cfg.run_id, it, "critic", it + 1)[0] if values is not None else None
     timings = stage_timings(rollout_store, cfg.run_id, it)
     m = compute_iteration_metrics(
-        cfg, scored, adv, policy_dir=new_dir, timings=timings, values=values, critic_dir=ms.critic_dir(it + 1)
+        cfg, scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
     )
     last, val = it + 1 == cfg.trainer.total_training_steps, None
     if validates(cfg, it):
         ray.ensure()
         prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
-        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], load_tokenizer(new_dir), cfg)
+        tok = load_tokenizer(ms.fetch(it + 1))
+        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
         m |= validation_summary(val, cfg.rollout.n)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
     tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
-    read_versions = {"scored_rollouts": s_v, "advantages": a_v}
+    read_versions = {"scored_rollouts": s_v, "advantages": a_v, "checkpoints": c_v}
     v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=read_versions)
     tracker.log_iteration(
-        mlflow_id, rollout_store.root, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
+        mlflow_id, rollout_store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
     )
+    ray.ensure()  # where the run's workers are now (the recorded placement; SQL over the `workers` table)
+    placed = pd.DataFrame(worker_placements(cfg.run_id))
+    if len(placed):
+        write_table(rollout_store, cfg, "workers", placed, it, policy_version=it + 1, upstream={})
     if last:  # the run is complete: its validation curve, then FINISHED
-        tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.root)
+        tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.location)
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,

@@ -1,4 +1,4 @@
-"""The `rlake` command line: train, ui, lineage, sql, replay, rescore, compare, export, plot, config.
+"""The `rlake` command line: train, ui, lineage, sql, replay, rescore, compare, export, plot, config, gc.
 
 Commands import what they need when they run (`# noqa: PLC0415 - CLI start-up`): `rlake --help` and a
 config error stay fast, and the quiet-logging environment (pipelines/logs.py) is set before torch,
@@ -77,10 +77,16 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env, cwd=os.getcwd())
 
 
-def _tables_root(args: argparse.Namespace) -> Path:
-    if args.tables:
-        return Path(args.tables)
-    return Path(load_config(args.config).trainer.output_dir).resolve() / "tables"
+def _tables_root(args: argparse.Namespace) -> str:
+    """--tables, else <storage.root>/tables of --config and its overrides (default <trainer.output_dir>/tables):
+    a storage URI (local or s3://) carrying the config's storage.options when it is remote."""
+    from stages.io import uris  # noqa: PLC0415 - CLI start-up
+
+    if args.tables and uris.is_local(args.tables):
+        return uris.normalize(args.tables)
+    cfg = load_run_config(args.config, args.override)
+    root = args.tables or uris.tables_root(cfg)
+    return uris.with_options(uris.normalize(root), uris.storage_options(cfg, root))
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -102,10 +108,16 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from stages.io.store import commit_lineage  # noqa: PLC0415 - CLI start-up
+    from stages.io import uris  # noqa: PLC0415 - CLI start-up
+    from stages.io.store import commit_lineage, table_exists  # noqa: PLC0415 - CLI start-up
 
-    uri = _tables_root(args) / args.table
-    for entry in commit_lineage(str(uri), run_id=args.run_id, iteration=args.iteration):
+    uri = uris.join(_tables_root(args), args.table)
+    if not table_exists(uri):
+        raise FileNotFoundError(
+            f"no Delta table '{args.table}' at '{uri}': check the table name (`rlake sql` lists the tables) and "
+            "--config / --tables / storage.root=... (where the run's tables are)"
+        )
+    for entry in commit_lineage(uri, run_id=args.run_id, iteration=args.iteration):
         print(json.dumps(entry, default=str))
     return 0
 
@@ -147,10 +159,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     _quiet_env()
     from stages.run.export import export_policy, resolve_checkpoint  # noqa: PLC0415 - CLI start-up
 
-    out_dir = None
-    if args.checkpoint is None:
-        out_dir = str(Path(load_config(args.config).trainer.output_dir).resolve())
-    src = resolve_checkpoint(args.checkpoint, output_dir=out_dir, run_id=args.run_id, version=args.version)
+    cfg = load_run_config(args.config, args.override) if args.checkpoint is None else None
+    src = resolve_checkpoint(args.checkpoint, cfg=cfg, run_id=args.run_id, version=args.version)
     print(json.dumps(export_policy(src, args.out, overwrite=args.overwrite), indent=1))
     return 0
 
@@ -173,6 +183,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from stages.io import uris  # noqa: PLC0415 - CLI start-up
     from stages.io.plots import load_run_metrics, run_figure, save_png  # noqa: PLC0415 - CLI start-up
 
     tables = _tables_root(args)
@@ -181,7 +192,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     except LookupError as exc:
         print(f"rlake plot: error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else tables.parent / "plots" / f"{args.run}.png"
+    if args.out:
+        out = Path(args.out)
+    elif uris.is_local(tables):
+        out = uris.local_path(tables).parent / "plots" / f"{args.run}.png"
+    else:  # remote tables: the plot goes to the local output directory
+        cfg = load_run_config(args.config, args.override)
+        out = Path(cfg.trainer.output_dir).resolve() / "plots" / f"{args.run}.png"
     print(f"wrote {save_png(run_figure(df, f'run {args.run}'), out)}")
     return 0
 
@@ -200,12 +217,42 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Kill a run's Ray workers and remove its placement groups on the cluster at ray.address (after a crash:
+    on a cluster they outlive the driver, stages/workers/group.py)."""
+    cfg = load_run_config(args.config, args.override)
+    if not cfg.ray.is_cluster:
+        raise ValueError(
+            "rlake gc cleans a run's workers on a Ray cluster, but ray.address is 'local': a local cluster is the "
+            "training process's own and ends with it, so there is nothing to collect; pass the cluster's "
+            "address, e.g. rlake gc --run-id R ray.address=auto"
+        )
+    from stages.workers.connect import check_cluster_auth  # noqa: PLC0415 - CLI start-up
+    from stages.workers.group import ensure_ray, gc_run  # noqa: PLC0415 - CLI start-up
+
+    check_cluster_auth(cfg.ray.address)  # before any connection (ensure_ray checks only when it connects)
+    ensure_ray(cfg.ray.address, run_id=args.run_id)
+    found = gc_run(args.run_id)
+    print(f"run {args.run_id}: killed {len(found['actors'])} workers {found['actors']}")
+    print(f"run {args.run_id}: removed {len(found['placement_groups'])} placement groups {found['placement_groups']}")
+    return 0
+
+
+def _add_gc_command(sub) -> None:
+    g = sub.add_parser("gc", help="kill a run's Ray workers and placement groups on a cluster (after a crash)")
+    g.add_argument("--run-id", required=True, help="the run whose workers to remove")
+    g.add_argument("--config", default=DEFAULT_CONFIG, help="locates the cluster: ray.address")
+    g.add_argument("override", nargs="*", help="key.sub=value config overrides, e.g. ray.address=auto")
+    g.set_defaults(fn=cmd_gc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_run_commands(sub)
     _add_rescore_command(sub)
     _add_inspect_commands(sub)
+    _add_gc_command(sub)
     return p
 
 
@@ -242,11 +289,14 @@ def _add_run_commands(sub) -> None:
     r.set_defaults(fn=cmd_replay)
     ex = sub.add_parser("export", help="write a plain HF model directory from a policy checkpoint")
     ex.add_argument("--checkpoint", default=None, help="a policy_v<N> checkpoint directory")
-    ex.add_argument("--run-id", default=None, help="with --version: output_dir/checkpoints/<run-id>/policy_v<N>")
+    ex.add_argument(
+        "--run-id", default=None, help="with --version: <storage.root>/checkpoints/<run-id>/policy_v<N> (fetched)"
+    )
     ex.add_argument("--version", type=int, default=None)
-    ex.add_argument("--config", default=DEFAULT_CONFIG, help="locates trainer.output_dir")
+    ex.add_argument("--config", default=DEFAULT_CONFIG, help="locates storage.root (default trainer.output_dir)")
     ex.add_argument("--out", required=True, help="directory to write (must be new or empty)")
     ex.add_argument("--overwrite", action="store_true")
+    ex.add_argument("override", nargs="*", help="key.sub=value config overrides, e.g. storage.root=s3://bucket/run")
     ex.set_defaults(fn=cmd_export)
     cf = sub.add_parser("config", help="print the resolved config (defaults: bases, overrides applied) and its hash")
     cf.add_argument("--config", default=DEFAULT_CONFIG)
@@ -276,12 +326,21 @@ def _add_rescore_command(sub) -> None:
     rs.set_defaults(fn=cmd_rescore)
 
 
+def _add_table_overrides(parser: argparse.ArgumentParser) -> None:
+    """--tables and the config overrides of a command that reads a run's tables (sql, lineage, plot)."""
+    parser.add_argument("--tables", default=None, help="tables directory or URI, e.g. s3://bucket/run/tables")
+    parser.add_argument(
+        "override",
+        nargs="*",
+        help="key.sub=value config overrides, right after the positional argument: e.g. storage.root=s3://bucket/run",
+    )
+
+
 def _add_inspect_commands(sub) -> None:
     """sql, lineage, compare, plot: commands that read a run's tables and MLflow store."""
     q = sub.add_parser("sql", help="SQL (DuckDB) over every Delta table: prompts, rollouts, scored_rollouts, ...")
     q.add_argument("query")
-    q.add_argument("--config", default=DEFAULT_CONFIG, help="locates output_dir/tables")
-    q.add_argument("--tables", default=None, help="tables directory (overrides --config)")
+    q.add_argument("--config", default=DEFAULT_CONFIG, help="locates the tables: <storage.root>/tables")
     q.add_argument(
         "--version",
         action="append",
@@ -289,13 +348,14 @@ def _add_inspect_commands(sub) -> None:
         help="time travel: TABLE=N, or ALIAS:TABLE=N to add view ALIAS of TABLE at version N (repeatable)",
     )
     q.add_argument("--limit", type=int, default=50)
+    _add_table_overrides(q)
     q.set_defaults(fn=cmd_sql)
     li = sub.add_parser("lineage", help="commit lineage of a table (run, iteration, policy, config, upstream versions)")
     li.add_argument("table")
     li.add_argument("--iteration", type=int, default=None)
     li.add_argument("--run-id", default=None)
-    li.add_argument("--config", default=DEFAULT_CONFIG)
-    li.add_argument("--tables", default=None)
+    li.add_argument("--config", default=DEFAULT_CONFIG, help="locates the tables: <storage.root>/tables")
+    _add_table_overrides(li)
     li.set_defaults(fn=cmd_lineage)
     cp = sub.add_parser("compare", help="two runs side by side from MLflow: params that differ, final/best metrics")
     cp.add_argument("run_a", help="rlake run id (MLflow tag rlake.run_id)")
@@ -311,8 +371,8 @@ def _add_inspect_commands(sub) -> None:
     )
     pl.add_argument("run", help="rlake run id")
     pl.add_argument("--out", default=None, help="PNG path (default <output_dir>/plots/<run>.png)")
-    pl.add_argument("--config", default=DEFAULT_CONFIG, help="locates output_dir/tables")
-    pl.add_argument("--tables", default=None, help="tables directory (overrides --config)")
+    pl.add_argument("--config", default=DEFAULT_CONFIG, help="locates the tables: <storage.root>/tables")
+    _add_table_overrides(pl)
     pl.set_defaults(fn=cmd_plot)
 
 

@@ -13,7 +13,6 @@ the Dagster UI.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import dagster as dg
 import numpy as np
@@ -23,9 +22,10 @@ from assets.common import add_partitions, partition_key
 from configs.schema import RunConfig
 from pipelines.definitions import ASSETS
 from pipelines.resources import build_resources
-from pipelines.runner import dagster_home, launch_config
+from pipelines.runner import dagster_home, driver_tags, launch_config
 from pipelines.sensors import DRIVER_TAG
 from stages.dag import uses_judge
+from stages.io import uris
 from stages.io.store import commit_lineage, read_partition, table_exists
 
 
@@ -80,25 +80,26 @@ def _reward_names(df: pd.DataFrame) -> list[str]:
     return sorted(str(x) for x in df[column].dropna().unique())
 
 
-def scored_partition_version(tables: Path, run_id: str, iteration: int) -> int:
-    """The newest scored_rollouts version written for (run_id, iteration), or a what/why/fix LookupError."""
-    uri = str(tables / "scored_rollouts")
+def scored_partition_version(tables: str, run_id: str, iteration: int) -> int:
+    """The newest scored_rollouts version written for (run_id, iteration), or a what/why/fix LookupError.
+    `tables`: the tables root (a storage URI; a StorageURI carries its options)."""
+    uri = uris.join(tables, "scored_rollouts")
     commits = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
     if not commits:
         runs = sorted({c.get("run_id") for c in commit_lineage(uri)}) if table_exists(uri) else []
         raise LookupError(
             f"no scored_rollouts for run '{run_id}' iteration {iteration} under {tables}: rescore re-scores an "
             f"iteration a run already scored (runs there: {runs or 'none'}). Check --run-id and --iteration, and "
-            "--config / trainer.output_dir=... to point at the run's output directory."
+            "--config / storage.root=... / trainer.output_dir=... to point at the run's tables."
         )
     return int(commits[0]["version"])
 
 
 def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> RescoreReport:
     """Re-materialize scored_rollouts (and advantages) of run cfg.run_id's `iteration` with cfg's reward."""
-    tables = Path(cfg.trainer.output_dir).resolve() / "tables"
+    tables = uris.with_options(uris.tables_root(cfg), uris.storage_options(cfg))
     before = scored_partition_version(tables, cfg.run_id, iteration)
-    old = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=before)
+    old = read_partition(uris.join(tables, "scored_rollouts"), cfg.run_id, iteration, version=before)
     dagster_home(cfg.trainer.output_dir)
     instance = dg.DagsterInstance.get()
     add_partitions(instance, cfg.run_id, iteration)
@@ -114,13 +115,13 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
         instance=instance,
         resources=build_resources(cfg),
         run_config=launch_config(cfg),
-        tags={"rlake/run_id": cfg.run_id, "rlake/rescore": "true", DRIVER_TAG: "cli"},
+        tags={"rlake/run_id": cfg.run_id, "rlake/rescore": "true", DRIVER_TAG: "cli", **driver_tags()},
     )
     after = scored_partition_version(tables, cfg.run_id, iteration)
-    new = read_partition(str(tables / "scored_rollouts"), cfg.run_id, iteration, version=after)
+    new = read_partition(uris.join(tables, "scored_rollouts"), cfg.run_id, iteration, version=after)
     merged = old[["rollout_id", "reward"]].merge(new[["rollout_id", "reward"]], on="rollout_id", suffixes=("_b", "_a"))
     same = np.isclose(merged["reward_b"], merged["reward_a"], rtol=0, atol=0, equal_nan=True)
-    adv = commit_lineage(str(tables / "advantages"), run_id=cfg.run_id, iteration=iteration) if advantages else []
+    adv = commit_lineage(uris.join(tables, "advantages"), run_id=cfg.run_id, iteration=iteration) if advantages else []
     return RescoreReport(
         run_id=cfg.run_id,
         iteration=iteration,

@@ -21,19 +21,29 @@ from assets.resources import (
     TrackerResource,
 )
 from configs.schema import RunConfig
+from stages.io import uris
+from stages.io.tracking import is_tracking_server
 
 
 def tables_root(cfg: RunConfig) -> str:
-    return str(Path(cfg.trainer.output_dir).resolve() / "tables")
+    """<storage.root>/tables (default <trainer.output_dir>/tables): a storage URI (stages/io/uris.py)."""
+    return uris.tables_root(cfg)
 
 
 def tracker_for(cfg: RunConfig) -> TrackerResource:
-    """MLflow of run `cfg`: trainer.mlflow_tracking_uri, else sqlite under trainer.output_dir."""
+    """MLflow of run `cfg`: trainer.mlflow_tracking_uri, else sqlite under trainer.output_dir.
+
+    Artifacts (config.yaml, sample tables, the validation curve): a tracking server (http/https) decides where
+    they go (its `--artifacts-destination`, proxied by the server), so rlake sets no artifact root and every
+    host needs only HTTP to it. A store rlake opens itself (the sqlite default, a database URI) keeps them
+    beside the run, in <trainer.output_dir>/mlartifacts: a one-host store (docs/cluster.md: a cluster uses a
+    server)."""
     out = Path(cfg.trainer.output_dir).resolve()
+    uri = cfg.trainer.mlflow_tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     return TrackerResource(
-        tracking_uri=cfg.trainer.mlflow_tracking_uri or f"sqlite:///{out / 'mlflow.db'}",
+        tracking_uri=uri,
         experiment_name=cfg.trainer.project_name,
-        artifact_root=(out / "mlartifacts").as_uri(),
+        artifact_root=None if is_tracking_server(uri) else (out / "mlartifacts").as_uri(),
     )
 
 
@@ -47,18 +57,29 @@ def _derived(build) -> dg.ResourceDefinition:
 
 
 def _ray(cfg: RunConfig) -> RayResource:
-    """Ray at ray.address (a new local cluster when null)."""
-    return RayResource(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus)
+    """Ray at ray.address (`local`: a new local cluster) for the run, with ray.runtime_env and
+    ray.resources_per_worker."""
+    return RayResource(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus,
+        run_id=cfg.run_id,
+        runtime_env=dict(cfg.ray.runtime_env),
+        resources_per_worker={role: dict(res) for role, res in cfg.ray.resources_per_worker.items()},
+    )
 
 
 def _rollout_store(cfg: RunConfig) -> RolloutStoreResource:
-    """Delta tables under <trainer.output_dir>/tables."""
-    return RolloutStoreResource(root=tables_root(cfg))
+    """Delta tables under <storage.root>/tables (default <trainer.output_dir>/tables), with storage.options."""
+    root = tables_root(cfg)
+    return RolloutStoreResource(root=root, storage_options=uris.storage_options(cfg, root) or {})
 
 
 def _model_store(cfg: RunConfig) -> ModelStoreResource:
-    """Policy and critic checkpoints under <trainer.output_dir>/checkpoints."""
-    return ModelStoreResource(root=str(Path(cfg.trainer.output_dir).resolve() / "checkpoints"))
+    """Policy and critic checkpoints committed under <storage root>/checkpoints (default
+    <trainer.output_dir>/checkpoints), fetched into storage.cache_dir on the node that reads one."""
+    return ModelStoreResource(
+        root=uris.checkpoints_root(cfg), cache_dir=cfg.storage.cache_dir, storage_options=uris.storage_options(cfg)
+    )
 
 
 def _tracker(cfg: RunConfig) -> TrackerResource:

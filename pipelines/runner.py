@@ -5,17 +5,29 @@ trainer_state.json, MLflow metrics) is written by the assets, so an iteration la
 UI leaves the same files as one run by `rlake train`. Each job run is launched like a UI launch: on the
 run's partition (run, or run x iteration), with the resolved config as the run_config resource's launch
 config (so the Dagster run records it), and the stages of that config.
+
+The Dagster instance is DAGSTER_HOME's (else <output_dir>/dagster_home on sqlite): on a cluster, a
+dagster.yaml with `storage: postgres: postgres_url: {env: VAR}` lets `rlake ui` on any host see the runs
+`rlake train` records (docs/cluster.md). Each run records its driver (host, pid, process start time) as
+tags, so a later `rlake train` of the same run marks failed only the runs whose driver is known dead,
+never one a process elsewhere is still running (`_fail_stale_runs`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 import dagster as dg
+import psutil
+import yaml
 
 from assets.common import add_partitions, partition_key
 from configs.errors import load_run_config
@@ -31,21 +43,101 @@ from stages.run.resume import ResumePlan, plan_resume
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 TELEMETRY_OFF = "telemetry:\n  enabled: false\n"
+DRIVER_HOST_TAG = "rlake/driver_host"
+DRIVER_PID_TAG = "rlake/driver_pid"
+DRIVER_STARTED_TAG = "rlake/driver_started"
+"""The process that executes a run in-process (`rlake train`): its host, pid and start time (epoch seconds; a
+reused pid has another start time)."""
 
 
 def dagster_home(output_dir: str) -> Path:
     """DAGSTER_HOME if set, else <output_dir>/dagster_home (created), so `rlake ui` shows `rlake train`'s runs.
 
     Its dagster.yaml switches Dagster's telemetry (and the banner it prints on first use) off, unless the
-    file already says something about telemetry."""
+    file already says something about telemetry. A Postgres-backed home (a team's shared instance) is
+    checked first: check_instance_yaml."""
     home = Path(os.environ.get("DAGSTER_HOME") or Path(output_dir).resolve() / "dagster_home")
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "dagster.yaml"
     text = conf.read_text() if conf.is_file() else ""
+    check_instance_yaml(conf, text)
     if "telemetry" not in text:
         conf.write_text(text + ("\n" if text and not text.endswith("\n") else "") + TELEMETRY_OFF)
     os.environ["DAGSTER_HOME"] = str(home)
     return home
+
+
+def check_instance_yaml(conf: Path, text: str) -> None:
+    """Refuse a dagster.yaml whose Postgres storage holds a password, or names the database in a form that
+    cannot connect here, before Dagster fails on it with a driver traceback.
+
+    Accepted: `postgres_url: {env: DAGSTER_PG_URL}` (the URL, password included, from the environment), or a
+    literal URL without a password (libpq then reads PGPASSWORD or ~/.pgpass), with the driver named:
+    `postgresql+psycopg2://user@host:5432/db`. `postgres_db:` works with `scheme: postgresql+psycopg2` and
+    `password: {env: VAR}`; without the scheme, SQLAlchemy 2.1 picks psycopg 3, which is not installed."""
+    if not text.strip():
+        return
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{conf} is not valid YAML ({exc}); fix the file or unset DAGSTER_HOME") from None
+    for where, pg in _postgres_sections(data):
+        url = pg.get("postgres_url")
+        if isinstance(url, str) and urlparse(url).password is not None:
+            raise ValueError(
+                f"{conf}: {where}.postgres_url holds a password: a dagster.yaml is shared and copied, so the "
+                "password would leak with it; write `postgres_url: {env: DAGSTER_PG_URL}` and export the URL, or "
+                "drop the password from the URL and set PGPASSWORD (libpq reads it)."
+            )
+        env = url.get("env") if isinstance(url, dict) else None
+        resolved = os.environ.get(env, "") if env else url
+        if isinstance(resolved, str) and urlparse(resolved).scheme == "postgresql" and not _psycopg3():
+            source = f"the URL in ${env}" if env else f"'{url}'"
+            raise ValueError(
+                f"{conf}: {where}.postgres_url ({source}) names no driver: SQLAlchemy 2.1 then uses psycopg 3, "
+                "which is not installed (rlake's cluster extra has psycopg2); write postgresql+psycopg2://..."
+            )
+        db = pg.get("postgres_db")
+        if isinstance(db, dict):
+            if isinstance(db.get("password"), str) and db["password"]:
+                raise ValueError(
+                    f"{conf}: {where}.postgres_db.password is written in the file, where it leaks with every "
+                    "copy; write `password: {env: DAGSTER_PG_PASSWORD}` and export that variable."
+                )
+            if "+" not in str(db.get("scheme", "postgresql")) and not _psycopg3():
+                raise ValueError(
+                    f"{conf}: {where}.postgres_db has no `scheme`: SQLAlchemy 2.1 then uses psycopg 3, which is "
+                    "not installed (rlake's cluster extra has psycopg2); add `scheme: postgresql+psycopg2`, or "
+                    "use `postgres_url: {env: DAGSTER_PG_URL}` with a postgresql+psycopg2:// URL."
+                )
+
+
+def _postgres_sections(node: Any, where: str = "") -> Iterator[tuple[str, dict]]:
+    """(dotted key, mapping) for every mapping in a dagster.yaml that configures a Postgres connection."""
+    if isinstance(node, dict):
+        if "postgres_url" in node or "postgres_db" in node:
+            yield where or "(top level)", node
+        for key, value in node.items():
+            yield from _postgres_sections(value, f"{where}.{key}" if where else str(key))
+
+
+def _psycopg3() -> bool:
+    return importlib.util.find_spec("psycopg") is not None
+
+
+def driver_tags() -> dict[str, str]:
+    """Tags naming this process as the driver of the runs it executes in-process (see _fail_stale_runs)."""
+    me = psutil.Process()
+    return {
+        DRIVER_HOST_TAG: socket.gethostname(),
+        DRIVER_PID_TAG: str(me.pid),
+        DRIVER_STARTED_TAG: f"{me.create_time():.2f}",
+    }
+
+
+def run_tags(cfg: RunConfig) -> dict[str, str]:
+    """The tags of every Dagster run `rlake train` executes for `cfg`: the rlake run, its config, this driver."""
+    return {"rlake/run_id": cfg.run_id, DRIVER_TAG: "cli", "rlake/config_hash": cfg.config_hash(), **driver_tags()}
 
 
 def launch_config(cfg: RunConfig) -> dict:
@@ -69,7 +161,8 @@ def run_training(
 
     `progress` shows what is running (pipelines/progress.py); without one, plain lines go to `log`.
     The MLflow run is marked FINISHED by the last iteration, FAILED when an iteration raises and KILLED
-    on Ctrl-C, so no run stays RUNNING in the MLflow UI."""
+    on Ctrl-C, so no run stays RUNNING in the MLflow UI. On a Ray cluster the run's workers go when this
+    call ends, however it ends."""
     progress = progress or plain(log)
     cfg = _resolve(config, overrides, progress)  # a bad config fails here, before any work
     progress.phase("preflight", "data and model inputs")
@@ -85,12 +178,11 @@ def run_training(
     t0 = time.perf_counter()
     try:
         setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
-    except KeyboardInterrupt:
-        _end_mlflow_run(tracker, cfg.run_id, "KILLED", progress)
+    except BaseException as exc:
+        _end_mlflow_run(tracker, cfg.run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", progress)
         raise
-    except BaseException:
-        _end_mlflow_run(tracker, cfg.run_id, "FAILED", progress)
-        raise
+    finally:
+        _release_cluster_workers(cfg)
     _end_mlflow_run(tracker, cfg.run_id, "FINISHED", progress)  # also a --steps stop short of the last iteration
     progress.line(
         f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {tables_root(cfg)}; "
@@ -103,6 +195,18 @@ def run_training(
         "start_iteration": plan.start_iteration,
         "resume": plan.reason,
     }
+
+
+def _release_cluster_workers(cfg: RunConfig) -> None:
+    """On a cluster a run's workers are detached and outlive this process (the next process of the run finds
+    them); when this process ends the run's call, its actors and placement groups go (`rlake gc` does the same
+    after a crash). A local cluster takes its workers along when the driver exits."""
+    import ray  # noqa: PLC0415 - only on the way out
+
+    if cfg.ray.is_cluster and ray.is_initialized():
+        from stages.workers.group import gc_run  # noqa: PLC0415
+
+        gc_run(cfg.run_id)
 
 
 def _resolve(config: RunConfig | str | Path, overrides: Sequence[str], progress: RunProgress) -> RunConfig:
@@ -124,7 +228,7 @@ def _start(cfg: RunConfig, plan: ResumePlan, instance: dg.DagsterInstance, progr
     out = Path(cfg.trainer.output_dir).resolve()
     progress.line(f"rlake run {cfg.run_id}  config hash {cfg.config_hash()}  output {out}")
     progress.line(plan.reason)
-    partial = ModelStore(out / "checkpoints", cfg.run_id).remove_partial()
+    partial = ModelStore.for_config(cfg).remove_partial()
     if partial:
         progress.line(f"removed partial checkpoint writes of a killed run: {partial}")
     stale = _fail_stale_runs(instance, cfg.run_id)
@@ -142,7 +246,7 @@ def _run_jobs(
 ) -> tuple[dict, list[dict]]:
     """The set-up job (when the plan says so), then one iteration job per iteration up to `steps`
     (default trainer.total_training_steps); returns (initial_policy's metadata, iteration_metrics' per iteration)."""
-    tags = {"rlake/run_id": cfg.run_id, DRIVER_TAG: "cli", "rlake/config_hash": cfg.config_hash()}
+    tags = run_tags(cfg)
     run_config = launch_config(cfg)
     setup: dict = {}
     history = []
@@ -196,13 +300,57 @@ def _execute(
         )
 
 
-def _fail_stale_runs(instance, run_id: str) -> list[str]:
-    """Dagster runs of this rlake run still STARTED/STARTING: their process was killed (runs are in-process)."""
+def _fail_stale_runs(instance: dg.DagsterInstance, run_id: str) -> list[str]:
+    """Mark failed the Dagster runs of rlake run `run_id` still STARTING/STARTED whose worker is known gone;
+    returns their short ids. A run that may still be running (on this host or another) is left alone.
+
+    The instance may be shared (Postgres), so a STARTED run can be alive elsewhere: see run_worker_gone."""
     statuses = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]
-    stale = instance.get_runs(filters=dg.RunsFilter(statuses=statuses, tags={"rlake/run_id": run_id}))
-    for run in stale:
-        instance.report_run_failed(run, message="the rlake train process running it was killed; the run was resumed")
-    return [run.run_id[:8] for run in stale]
+    failed = []
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=statuses, tags={"rlake/run_id": run_id})):
+        why = run_worker_gone(instance, run)
+        if why is not None:
+            instance.report_run_failed(run, message=f"{why}; the rlake run was resumed by pid {os.getpid()}")
+            failed.append(run.run_id[:8])
+    return failed
+
+
+def run_worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
+    """Why the process executing `run` is known to be gone, or None while it may be alive.
+
+    - A run `rlake train` executes in-process records its driver (driver_tags): gone when that host is this
+      one and the pid is not running, or runs another process (a start time other than recorded). A driver
+      on another host is never judged from here (its own next start, or the operator, ends it).
+    - A run a launcher started (the UI, the chaining sensor): Dagster's run monitoring, i.e. the launcher's
+      worker health check (K8s, ECS, Docker launchers); the default launcher has none, so such a run is left
+      to the daemon's run monitoring (`run_monitoring:` in dagster.yaml: start and max-runtime timeouts).
+    - A run of an older rlake that recorded no driver: unknown, left alone."""
+    tags = run.tags
+    if DRIVER_PID_TAG in tags:
+        host, pid = tags.get(DRIVER_HOST_TAG), int(tags[DRIVER_PID_TAG])
+        if host != socket.gethostname():
+            return None
+        try:
+            proc = psutil.Process(pid)
+            started, zombie = proc.create_time(), proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return f"its driver, pid {pid} on {host}, has exited"
+        except psutil.AccessDenied:
+            return None  # running, as another user
+        if zombie:
+            return f"its driver, pid {pid} on {host}, has exited (not yet reaped)"
+        if abs(started - float(tags.get(DRIVER_STARTED_TAG, started))) > 1.0:
+            return f"its driver, pid {pid} on {host}, has exited (the pid now runs another process)"
+        return None
+    if tags.get(DRIVER_TAG) == "cli":  # in-process, from an rlake without driver tags
+        return None
+    launcher = instance.run_launcher
+    if not launcher.supports_check_run_worker_health:
+        return None
+    health = launcher.check_run_worker_health(run)
+    if health.status.name in ("FAILED", "NOT_FOUND"):  # dagster's WorkerStatus (not exported publicly)
+        return f"Dagster's run monitoring found its worker {health.status.name}: {health.msg or 'no detail'}"
+    return None
 
 
 def _metadata(result, asset: str) -> dict:

@@ -1,4 +1,5 @@
-"""Initial policy (version 0): the tiny model warm-started in-process, or a local HF checkpoint."""
+"""Initial policy (version 0): the tiny model warm-started in-process, or a local HF checkpoint, committed as
+policy version 0 of the run (stages.io.checkpoints: out_dir a checkpoint_target) or written to a directory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pandas as pd
 
 from stages.data.custom_reward import parse_extra_info
 from stages.data.tool_arith import CALCULATOR, TOOL_ARITH_SOURCE, hermes_tool_call
-from stages.io.checkpoints import atomic_dir
+from stages.io.checkpoints import writing
 from stages.models.policy import load_policy, observation_token_ids, save_policy
 from stages.models.smollm2 import resolve_model_path
 from stages.models.tiny import Segment, build_char_tokenizer, build_tiny_model, warmstart_sft
@@ -75,11 +76,13 @@ def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> t
     return model, tok, meta
 
 
-def create_initial_policy(model_cfg, train_prompts: pd.DataFrame, out_dir: str | Path, *, seed: int) -> dict:
-    """Write policy version 0 to out_dir (whole or not at all: atomic_dir); returns metadata (params,
-    warm-start loss)."""
+def create_initial_policy(
+    model_cfg, train_prompts: pd.DataFrame, out_dir: str | Path, *, seed: int, extra_files: dict[str, str] | None = None
+) -> dict:
+    """Write policy version 0 (+ extra_files, e.g. its trainer_state.json) to out_dir: committed for a
+    checkpoint_target, else a directory written whole or not at all; returns metadata (params, warm-start loss)."""
     meta: dict = {"source": model_cfg.path}
-    with atomic_dir(out_dir) as tmp:
+    with writing(out_dir) as tmp:
         if model_cfg.path == "tiny":
             model, tok, warm = _warmstarted_tiny(model_cfg, train_prompts, seed=seed)
             meta |= warm
@@ -87,5 +90,7 @@ def create_initial_policy(model_cfg, train_prompts: pd.DataFrame, out_dir: str |
             src = Path(resolve_model_path(model_cfg.path))
             model, tok = load_policy(src, model_cfg.dtype)  # validates it loads before copying
         save_policy(model, tok, tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     meta["num_parameters"] = int(sum(p.numel() for p in model.parameters()))
     return meta

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
@@ -14,7 +11,6 @@ from stages.filter_groups import split_baseline_rows
 from stages.old_logprobs import probs_gap
 from stages.train.batching import row_masks
 from stages.train.critic import critic_metrics
-from stages.workers.actor_worker import METRICS_FILE
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -131,18 +127,19 @@ def iteration_metrics(
     scored: pd.DataFrame,
     advantages: pd.DataFrame,
     *,
-    policy_dir: str | Path,
+    update_metrics: dict[str, float],
     timings: dict[str, float],
     values: pd.DataFrame | None = None,
-    critic_dir: str | Path | None = None,
+    critic_update_metrics: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """The `iteration_metrics` stage: rollout and algorithm metrics, the update's metrics stored beside the new
-    policy (policy_dir), the stages' timings and timing_s/step, and with a critic (values, critic_dir) its
-    metrics. Validation is added by the caller when validates(cfg, iteration)."""
+    """The `iteration_metrics` stage: rollout and algorithm metrics, the policy update's metrics (returned by the
+    update through Ray and recorded in the new checkpoint's `checkpoints` table row), the stages' timings and
+    timing_s/step, and with a critic (values, critic_update_metrics) its metrics. Validation is added by the
+    caller when validates(cfg, iteration)."""
     m = rollout_metrics(scored, advantages, cfg.data.max_response_length)
-    m |= json.loads((Path(policy_dir) / METRICS_FILE).read_text()) | timings
-    if values is not None and critic_dir is not None:  # PPO with a critic: critic/vf_loss, critic/values/mean, ...
-        m |= critic_metrics(advantages, values, critic_dir)
+    m |= dict(update_metrics) | timings
+    if values is not None and critic_update_metrics is not None:  # PPO with a critic: critic/vf_loss, ...
+        m |= critic_metrics(advantages, values, critic_update_metrics)
     m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
     return m
 

@@ -3,13 +3,13 @@
 Flow: assets/training.py `policy_checkpoint` -> `update_request` (the one builder of an UpdateRequest
 from the run config; `rlake replay` uses it too) -> `run_update`, which calls `ActorWorker.update`
 (stages/workers/actor_worker.py) on every rank of the run's "actor" group: actor.num_workers Ray actors
-in one gloo process group, kept for the whole run. Rank 0 writes the new checkpoint, with the update's
-metrics beside it (METRICS_FILE, read by iteration_metrics and replay).
+in one gloo process group, kept for the whole run. Rank 0 commits the new checkpoint (out_dir: a
+stages.io.checkpoints.checkpoint_target, or a local directory); the update's metrics come back as the call's
+value through Ray (the policy_checkpoint asset records them in the `checkpoints` table row of the commit).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,9 +17,8 @@ import ray
 
 from configs.schema import ActorConfig, RunConfig
 from stages import seeds
-from stages.io.checkpoints import atomic_write_text
 from stages.train.batching import logprob_temperature
-from stages.workers.actor_worker import METRICS_FILE, ActorWorker
+from stages.workers.actor_worker import ActorWorker
 from stages.workers.group import WorkerGroup, call_with_retry, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.requests import UpdateRequest
@@ -33,8 +32,10 @@ def update_request(
     advantages_version: int,
     policy_dir: str | Path,
     out_dir: str | Path,
+    extra_files: dict[str, str] | None = None,
 ) -> UpdateRequest:
-    """Iteration `iteration`'s policy update: advantages at the recorded version, policy_dir -> out_dir."""
+    """Iteration `iteration`'s policy update: advantages at the recorded version, policy_dir -> out_dir (each a
+    checkpoint reference / target or a local directory); extra_files are committed with the new checkpoint."""
     return UpdateRequest(
         run_id=cfg.run_id,
         iteration=iteration,
@@ -49,6 +50,7 @@ def update_request(
         checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}",
         gpus=GpuPool.of(cfg.trainer),
         rollout_correction=cfg.algorithm.rollout_correction,
+        extra_files=tuple(sorted((extra_files or {}).items())),
     )
 
 
@@ -70,13 +72,10 @@ def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None, gpu
 
 
 def run_update(req: UpdateRequest) -> dict[str, float]:
-    """Run the update on the actor group (rebuilt and retried once when an actor died); returns the metrics
-    rank 0 wrote beside the checkpoint plus timing_s/update, the wall time of the whole call, which is
-    added to the metrics file too."""
+    """Run the update on the actor group (rebuilt and retried once when an actor died); returns rank 0's
+    metrics, returned through Ray, plus timing_s/update, the wall time of the whole call."""
     t0 = time.perf_counter()
-    call_with_retry(lambda: actor_group(req), lambda g: g.call(ActorWorker.update, req))
-    path = Path(req.out_dir) / METRICS_FILE
-    metrics = json.loads(path.read_text())
+    results = call_with_retry(lambda: actor_group(req), lambda g: g.call(ActorWorker.update, req))
+    metrics = dict(results[0])
     metrics["timing_s/update"] = time.perf_counter() - t0
-    atomic_write_text(path, json.dumps(metrics, indent=1, sort_keys=True))
     return metrics

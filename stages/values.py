@@ -22,7 +22,13 @@ from stages.workers.placement import GpuPool
 def critic_group(cfg: RunConfig) -> WorkerGroup:
     """The run's "critic" group: one CriticWorker on one torch thread, on GPU 0 of a GPU run (connects to Ray
     first if needed)."""
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
+    ensure_ray(
+        cfg.ray.address,
+        cfg.ray.num_cpus,
+        run_id=cfg.run_id,
+        runtime_env=cfg.ray.runtime_env,
+        resources_per_worker=cfg.ray.resources_per_worker,
+    )
     return worker_group(CriticWorker, "critic", 1, threads=1, gpus=GpuPool.of(cfg.trainer))
 
 

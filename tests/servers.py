@@ -293,7 +293,18 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=workdir, start_new_session=True
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # no job runners (about 8 processes on these 2 cores) and no telemetry
+            env={
+                **os.environ,
+                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                "MLFLOW_DISABLE_TELEMETRY": "true",
+                **env,
+            },
+            cwd=workdir,
+            start_new_session=True,
         )
     server = MlflowServer(f"http://127.0.0.1:{port}", proc, log)
     _wait_for(lambda: http_ok(f"{server.url}/health"), "mlflow server", 120, proc, log)

@@ -1,82 +1,388 @@
-"""Versioned policy checkpoints in HF format: <root>/<run_id>/policy_v<version>.
+"""Checkpoints as committed objects in storage, fetched by id into a node-local cache (DESIGN.md "Cluster mode").
 
-Version v is the policy that generates iteration v's rollouts; iteration i's update writes v=i+1.
-Also the one atomic write of rlake (`atomic_dir`, `atomic_write_text`) and the optimizer state stored
-beside a checkpoint (`save_optimizer_state`, `load_optimizer_state`; stages.train.optim restores it).
-`ModelStore.policy_fingerprint` / `fingerprint_checkpoint` (stages.models.fingerprint): a version's weights
-fingerprint, compared with the rollout rows' engine_weights_fingerprint.
+Layout under `<storage root>/checkpoints/<run_id>/` (stages.io.uris.checkpoints_root), `kind` policy | critic:
+- s3:// (any remote root): files under `<kind>_v<N>/<attempt_id>/`, then `<kind>_v<N>/MANIFEST.json` written LAST
+  with a conditional put (create-only: `If-None-Match: *`). A writer killed before its manifest leaves objects no
+  reader sees (`versions()` lists manifests only); a second commit of a version is refused
+  (CheckpointExistsError), so a retried or late attempt never clobbers a committed one.
+- file:// (the default, storage.root null): the files stay where they always were, `<kind>_v<N>/` written whole or
+  not at all (`atomic_dir`), and the same manifest is created beside them with O_EXCL: no copy, no upload.
+  A `<kind>_v<N>/` with config.json and no manifest (written before manifests existed) counts as committed.
+
+Version v of the policy generates iteration v's rollouts; iteration i's update writes v=i+1 (critic v scores
+iteration v). Readers: `ModelStore.fetch(v)` is a local directory on this node (the local root's own directory, or
+a download into `storage.cache_dir` keyed by the checkpoint id, renamed into place whole); `ModelStore.require(v)`
+is what the driver hands a Ray worker: that directory for a local root, else a checkpoint reference string
+(`checkpoint_ref`) the worker turns into its own cached copy with `resolve_model_dir`. Identity of a checkpoint
+(engine sync, resident policies, lineage) is its checkpoint id, never a path or mtime.
+Re-materializing a version replaces it explicitly: the asset `retract`s the committed manifest, then a new attempt
+commits. One row per commit goes to the `checkpoints` Delta table (`checkpoint_row`; assets/common.py writes it).
+Also the one atomic directory write of rlake (`atomic_dir`, `atomic_write_text`) and the optimizer state stored
+beside a checkpoint (`save_optimizer_state`, `load_optimizer_state`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from stages.io import objects, uris
 from stages.models.fingerprint import fingerprint_checkpoint
 
-_VERSION_RE = re.compile(r"^policy_v(\d+)$")
+KINDS = ("policy", "critic")
+MANIFEST = "MANIFEST.json"
+"""Written last, create-only: its existence is the commit."""
+DEFAULT_CACHE_DIR = "~/.cache/rlake/checkpoints"
+REF_PREFIX = "rlake-checkpoint:"
+"""A checkpoint reference (checkpoint_ref): what crosses to a worker instead of a path on the driver's node."""
+_NAME_RE = re.compile(r"^(policy|critic)_v(\d+)$")
+
+
+class CheckpointExistsError(FileExistsError):
+    """A commit of a version that is already committed (a retried or late attempt)."""
+
+
+@dataclass
+class Staged:
+    """A checkpoint being written: fill `dir`; after the `ModelStore.writer` block, `manifest` is the commit."""
+
+    dir: Path
+    attempt_id: str
+    checkpoint_id: str
+    manifest: dict = field(default_factory=dict)
+
+
+def _cache_name(ckpt_id: str) -> str:
+    """A file-system-safe directory name for a checkpoint id (readable prefix + digest: ids may hold '/')."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_id)[-80:]
+    return f"{safe}-{hashlib.sha256(ckpt_id.encode()).hexdigest()[:10]}"
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 class ModelStore:
-    def __init__(self, root: str | Path, run_id: str) -> None:
-        self.dir = Path(root) / run_id
+    """The committed checkpoints of run `run_id` under `root` (a storage URI: file:// or a path, or s3://)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        run_id: str,
+        *,
+        cache_dir: str | Path | None = None,
+        options: dict[str, str] | None = None,
+    ) -> None:
+        self.root = uris.normalize(root)
+        self.run_id = run_id
+        self.uri = uris.join(self.root, run_id)
+        self.local = uris.is_local(self.root)
+        self.dir = uris.local_path(self.uri) if self.local else Path("/nonexistent-remote") / run_id
+        """The run's directory (local roots); remote roots have none (it names nothing on disk)."""
+        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.options = dict(options) if options else None
+
+    @classmethod
+    def for_config(cls, cfg, run_id: str | None = None) -> ModelStore:
+        """The run's store from storage.root / storage.options / storage.cache_dir."""
+        root = uris.checkpoints_root(cfg)
+        return cls(root, run_id or cfg.run_id, cache_dir=cfg.storage.cache_dir, options=uris.storage_options(cfg))
+
+    @property
+    def store(self):
+        return objects.open_store(self.root, self.options)
+
+    def _key(self, kind: str, version: int, *parts: str) -> str:
+        if kind not in KINDS:
+            raise ValueError(f"unknown checkpoint kind '{kind}'; valid: {list(KINDS)}")
+        return "/".join([self.run_id, f"{kind}_v{int(version)}", *parts])
+
+    def local_dir(self, kind: str, version: int) -> Path:
+        """Where version `version` lives on this node's disk for a local root (a remote root: use fetch)."""
+        if not self.local:
+            raise ValueError(
+                f"checkpoints under '{self.root}' are not on this node's disk: read one with "
+                "ModelStore.fetch(version) (a cached local copy) or hand a worker ModelStore.require(version)"
+            )
+        return self.dir / f"{kind}_v{int(version)}"
 
     def policy_dir(self, version: int) -> Path:
-        return self.dir / f"policy_v{version}"
+        return self.local_dir("policy", version)
 
     def critic_dir(self, version: int) -> Path:
         """Critic (PPO with GAE) version `version`: it scores iteration `version`'s rollouts (stages.train.critic)."""
-        return self.dir / f"critic_v{version}"
+        return self.local_dir("critic", version)
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def manifest(self, version: int, kind: str = "policy") -> dict | None:
+        """The commit of a version (None: not committed). A legacy local directory gets a synthesized one."""
+        data = objects.get_bytes(self.store, self._key(kind, version, MANIFEST))
+        if data is not None:
+            return json.loads(data)
+        if self.local and (self.local_dir(kind, version) / "config.json").is_file():
+            path = self.local_dir(kind, version)
+            return {"kind": kind, "version": int(version), "checkpoint_id": checkpoint_id(path), "legacy": True}
+        return None
+
+    def versions(self, kind: str = "policy") -> list[int]:
+        """Committed versions (a manifest; locally also a complete pre-manifest directory)."""
+        found = set()
+        if self.local:
+            if not self.dir.is_dir():
+                return []
+            for p in self.dir.iterdir():
+                m = _NAME_RE.match(p.name)
+                if m and m.group(1) == kind and ((p / MANIFEST).is_file() or (p / "config.json").is_file()):
+                    found.add(int(m.group(2)))
+            return sorted(found)
+        for key in objects.list_keys(self.store, self.run_id):
+            parts = key.split("/")
+            m = _NAME_RE.match(parts[1]) if len(parts) == 3 and parts[2] == MANIFEST else None
+            if m and m.group(1) == kind:
+                found.add(int(m.group(2)))
+        return sorted(found)
+
+    def _missing(self, version: int, kind: str, needed_by: str) -> FileNotFoundError:
+        writer = "critic_checkpoint" if kind == "critic" else "policy_checkpoint"
+        first = "created by the values asset of iteration 0" if kind == "critic" else "written by initial_policy"
+        return FileNotFoundError(
+            f"{needed_by} needs {kind} version {version} at {uris.join(self.uri, f'{kind}_v{version}')}, which is "
+            f"not committed (have {self.versions(kind)}). Version {version} is written by iteration {version - 1}'s "
+            f"{writer} (version 0 is {first}): materialize that first."
+        )
+
+    def fetch(self, version: int, kind: str = "policy", *, needed_by: str = "a reader") -> Path:
+        """A local directory holding committed version `version` on this node: a local root's own directory,
+        else the copy in cache_dir keyed by its checkpoint id (downloaded whole on first use)."""
+        m = self.manifest(version, kind)
+        if m is None:
+            raise self._missing(version, kind, needed_by)
+        if self.local:
+            return self.local_dir(kind, version)
+        return self._cached(m)
+
+    def _cached(self, m: dict) -> Path:
+        dest = self.cache_dir / _cache_name(m["checkpoint_id"])
+        if not (dest / "config.json").is_file():
+            objects.download(self.store, {n: f"{m['prefix']}/{n}" for n in m["files"]}, dest)
+        return dest
+
+    def require(self, version: int, *, needed_by: str, kind: str = "policy") -> Path | str:
+        """What a reader anywhere in the cluster opens version `version` by: the directory for a local root, else
+        a checkpoint reference (resolve_model_dir turns it into a cached copy on the worker's node)."""
+        m = self.manifest(version, kind)
+        if m is None:
+            raise self._missing(version, kind, needed_by)
+        if self.local:
+            return self.local_dir(kind, version)
+        return checkpoint_ref(self, m)
+
+    def read_file(self, version: int, name: str, kind: str = "policy") -> bytes | None:
+        """One small file of a committed version (e.g. trainer_state.json) without fetching the weights."""
+        m = self.manifest(version, kind)
+        if m is None:
+            return None
+        if self.local:
+            path = self.local_dir(kind, version) / name
+            return path.read_bytes() if path.is_file() else None
+        return objects.get_bytes(self.store, f"{m['prefix']}/{name}") if name in m["files"] else None
 
     def policy_fingerprint(self, version: int, *, dtype: str | None = None) -> str:
         """fingerprint_checkpoint of policy version `version` (a few KiB read): what a rollout row's
         engine_weights_fingerprint equals when that version's weights reached the engine. dtype: the
         engine's weight dtype when it holds fewer bits than the checkpoint (stages/models/fingerprint.py)."""
-        return fingerprint_checkpoint(self.require(version, needed_by="the weights-fingerprint check"), dtype=dtype)
+        return fingerprint_checkpoint(self.fetch(version, needed_by="the weights-fingerprint check"), dtype=dtype)
 
-    def versions(self) -> list[int]:
-        if not self.dir.is_dir():
-            return []
-        found = (_VERSION_RE.match(p.name) for p in self.dir.iterdir() if (p / "config.json").is_file())
-        return sorted(int(m.group(1)) for m in found if m)
+    # -- writing ---------------------------------------------------------------------------------------------
+    def _refuse(self, version: int, kind: str, attempt_id: str) -> CheckpointExistsError:
+        m = self.manifest(version, kind) or {}
+        return CheckpointExistsError(
+            f"cannot commit {kind} version {version} of run {self.run_id} (attempt {attempt_id}): it is already "
+            f"committed as checkpoint {m.get('checkpoint_id')} by attempt {m.get('attempt_id')}, and a committed "
+            "version is never overwritten (a retried or late attempt of the same update). To recompute it on "
+            f"purpose, retract it first (ModelStore.retract({version}, '{kind}'): re-materializing the asset does)."
+        )
 
-    def require(self, version: int, *, needed_by: str) -> Path:
-        path = self.policy_dir(version)
-        if not (path / "config.json").is_file():
-            have = self.versions()
-            raise FileNotFoundError(
-                f"{needed_by} needs policy version {version} at {path}, which does not exist (have {have}). "
-                f"Version {version} is written by iteration {version - 1}'s policy_checkpoint "
-                "(version 0 by initial_policy): materialize that first."
+    @contextmanager
+    def writer(self, kind: str, version: int, *, checkpoint_id: str | None = None) -> Iterator[Staged]:
+        """Yields a Staged whose empty `dir` the caller fills; on a clean exit the files are committed (uploaded
+        under a new attempt id, then the manifest created last), on an error nothing is committed."""
+        attempt = uuid.uuid4().hex[:12]
+        ckpt_id = checkpoint_id or f"{self.run_id}/{kind}_v{version}/{attempt}"
+        if self.manifest(version, kind) is not None:
+            raise self._refuse(version, kind, attempt)
+        if self.local:
+            staging = self.dir / f"{kind}_v{version}.tmp"  # one writer per run: atomic_dir's name
+        else:
+            staging = self.cache_dir / ".staging" / attempt
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        staged = Staged(staging, attempt, ckpt_id)
+        try:
+            yield staged
+            (staging / CHECKPOINT_ID).write_text(ckpt_id)
+            staged.manifest = self._commit(kind, version, staged)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _commit(self, kind: str, version: int, staged: Staged) -> dict:
+        files = _files(staged.dir)
+        prefix = self._key(kind, version, staged.attempt_id) if not self.local else self._key(kind, version)
+        manifest = {
+            "run_id": self.run_id,
+            "kind": kind,
+            "version": int(version),
+            "checkpoint_id": staged.checkpoint_id,
+            "attempt_id": staged.attempt_id,
+            "prefix": prefix,
+            "uri": uris.join(self.root, prefix),
+            "files": files,
+            "bytes": int(sum(files.values())),
+            "committed_at": time.time(),
+        }
+        if self.local:  # the directory replaces an uncommitted leftover, never a committed version
+            out = self.local_dir(kind, version)
+            if (out / MANIFEST).is_file():
+                raise self._refuse(version, kind, staged.attempt_id)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staged.dir, out)
+        else:
+            for name in files:
+                objects.put_file(self.store, f"{prefix}/{name}", staged.dir / name)
+        try:
+            objects.put_bytes(
+                self.store, self._key(kind, version, MANIFEST), json.dumps(manifest).encode(), create=True
             )
-        return path
+        except objects.AlreadyExists:
+            if not self.local:
+                objects.delete_prefix(self.store, prefix)  # this attempt's objects: nothing names them
+            raise self._refuse(version, kind, staged.attempt_id) from None
+        if not self.local:  # the writer's node keeps its copy: no download when it reads the version back
+            dest = self.cache_dir / _cache_name(staged.checkpoint_id)
+            if not dest.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged.dir, dest)
+        return manifest
+
+    def retract(self, version: int, kind: str = "policy") -> dict | None:
+        """Un-commit a version on purpose (re-materialization, prune): the manifest first, then its files.
+        Returns the retracted manifest (None: nothing was committed). Cached copies stay valid under their id."""
+        m = self.manifest(version, kind)
+        if m is None:
+            return None
+        if self.local:
+            shutil.rmtree(self.local_dir(kind, version), ignore_errors=True)
+        else:
+            objects.delete_prefix(self.store, self._key(kind, version))
+        return m
 
     def remove_partial(self) -> list[str]:
-        """Delete leftovers of a writer killed mid-write (policy_vN.tmp); complete versions are untouched."""
-        if not self.dir.is_dir():
-            return []
-        removed = []
-        for p in sorted(self.dir.glob("policy_v*.tmp")):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            removed.append(p.name)
+        """Delete leftovers of writers killed mid-write: local `<kind>_vN.*tmp` directories; remote attempt
+        prefixes that no manifest names. Committed versions are untouched."""
+        removed: list[str] = []
+        if self.local:
+            if not self.dir.is_dir():
+                return []
+            for p in sorted(self.dir.glob("*_v*.tmp")):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p.name)
+            return removed
+        keys = objects.list_keys(self.store, self.run_id)
+        committed = {"/".join(k.split("/")[:2]): None for k in keys if k.endswith("/" + MANIFEST)}
+        for name in committed:
+            committed[name] = json.loads(objects.get_bytes(self.store, f"{name}/{MANIFEST}") or b"{}").get("prefix")
+        for attempt in sorted({"/".join(k.split("/")[:3]) for k in keys if len(k.split("/")) > 3}):
+            if committed.get("/".join(attempt.split("/")[:2])) != attempt:
+                objects.delete_prefix(self.store, attempt)
+                removed.append(attempt)
         return removed
 
-    def prune(self, keep_every: int, latest: int) -> list[int]:
-        """Delete versions not multiple of keep_every, except 0 and the newest two; returns deleted."""
+    def prune(self, keep_every: int, latest: int, kind: str = "policy") -> list[int]:
+        """Retract versions not multiple of keep_every, except 0 and the newest two; returns those removed."""
         removed = []
-        for v in self.versions():
+        for v in self.versions(kind):
             if v in (0, latest, latest - 1) or (keep_every > 0 and v % keep_every == 0):
                 continue
-            shutil.rmtree(self.policy_dir(v))
+            self.retract(v, kind)
             removed.append(v)
         return removed
+
+
+def checkpoint_ref(store: ModelStore, manifest: dict) -> str:
+    """A string naming one committed checkpoint anywhere in the cluster (root, run, kind, version, id, and the
+    non-secret storage options and cache dir), handed to workers where a local path used to be."""
+    ref = {
+        "root": store.root,
+        "run_id": store.run_id,
+        "kind": manifest["kind"],
+        "version": manifest["version"],
+        "checkpoint_id": manifest["checkpoint_id"],
+        "cache_dir": str(store.cache_dir),
+        "options": store.options,
+    }
+    return REF_PREFIX + json.dumps(ref, sort_keys=True)
+
+
+def resolve_model_dir(model_dir: str | Path) -> Path:
+    """A local directory for what a worker was handed: a local path as is, a checkpoint reference as the copy
+    cached on this node under its checkpoint id (downloaded on first use)."""
+    text = str(model_dir)
+    if not text.startswith(REF_PREFIX):
+        return Path(model_dir)
+    ref = json.loads(text[len(REF_PREFIX) :])
+    store = ModelStore(ref["root"], ref["run_id"], cache_dir=ref["cache_dir"], options=ref["options"])
+    cached = store.cache_dir / _cache_name(ref["checkpoint_id"])
+    if (cached / "config.json").is_file():
+        return cached
+    m = store.manifest(ref["version"], ref["kind"])
+    if m is None or m.get("checkpoint_id") != ref["checkpoint_id"]:
+        raise FileNotFoundError(
+            f"{ref['kind']} version {ref['version']} of run {ref['run_id']} under {ref['root']} is no longer "
+            f"checkpoint {ref['checkpoint_id']} (now: {None if m is None else m.get('checkpoint_id')}): it was "
+            "retracted or re-materialized after this request was made; re-run the stage that needs it"
+        )
+    return store._cached(m)
+
+
+def checkpoint_target(store: ModelStore, kind: str, version: int) -> str:
+    """A string naming where a worker commits `kind` version `version` (the counterpart of checkpoint_ref for a
+    writer): pass it where a stage takes an output directory; `writing` commits to it."""
+    ref = {"root": store.root, "run_id": store.run_id, "kind": kind, "version": int(version)}
+    ref |= {"checkpoint_id": None, "cache_dir": str(store.cache_dir), "options": store.options}
+    return REF_PREFIX + json.dumps(ref, sort_keys=True)
+
+
+@contextmanager
+def writing(out: str | Path, *, checkpoint_id: str | None = None) -> Iterator[Path]:
+    """A directory to fill with a checkpoint: for a checkpoint_target, committed to its store on a clean exit
+    (ModelStore.writer); for a plain directory, written whole or not at all (atomic_dir)."""
+    text = str(out)
+    if not text.startswith(REF_PREFIX):
+        with atomic_dir(out) as tmp:
+            yield tmp
+        return
+    ref = json.loads(text[len(REF_PREFIX) :])
+    store = ModelStore(ref["root"], ref["run_id"], cache_dir=ref["cache_dir"], options=ref["options"])
+    with store.writer(ref["kind"], ref["version"], checkpoint_id=checkpoint_id) as staged:
+        yield staged.dir
+
+
+def ref_checkpoint_id(model_dir: str | Path) -> str | None:
+    """The checkpoint id a reference names (None for a plain path: read it from the directory)."""
+    text = str(model_dir)
+    return json.loads(text[len(REF_PREFIX) :])["checkpoint_id"] if text.startswith(REF_PREFIX) else None
 
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -90,7 +396,8 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     """The one atomic write of rlake: yields an empty `<out>.tmp` directory to fill; on success it
     replaces `out` (a retried attempt replaces its own earlier output), on error it is removed. A
     reader sees the directory complete or absent, never half-written; a writer killed mid-way leaves
-    only `<out>.tmp`, which ModelStore.remove_partial deletes."""
+    only `<out>.tmp`, which ModelStore.remove_partial deletes. Checkpoints commit through ModelStore.writer
+    instead; this is for directories outside a run's store (an export, a converted model, a test)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -132,15 +439,17 @@ def load_optimizer_state(ckpt_dir: str | Path) -> dict | None:
     return torch.load(path, weights_only=False, map_location="cpu") if path.is_file() else None
 
 
-def checkpoint_identity(model_dir: str | Path) -> tuple[str, str, str]:
-    """(resolved dir, checkpoint id or the weight files' mtimes, config.json text): what a rollout engine
-    holds. Equal identities: nothing to load; only the config equal: the weights can be loaded in place."""
+def checkpoint_identity(model_dir: str | Path) -> tuple[str, str]:
+    """(identity, config.json text) of what a rollout engine or trainer rank holds: the checkpoint id (committed
+    checkpoints all have one, wherever they are cached), else for a directory written without one its resolved
+    path and weight files' mtimes. Equal identities: nothing to load; only the config equal: the weights can be
+    loaded in place."""
     path = Path(model_dir).resolve()
     config = (path / "config.json").read_text()
-    ident = checkpoint_id(path) or ":".join(
+    ident = checkpoint_id(path) or str(path) + "@" + ":".join(
         f"{f.name}@{f.stat().st_mtime_ns}" for f in sorted(path.glob("*.safetensors"))
     )
-    return str(path), ident, config
+    return ident, config
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -167,3 +476,17 @@ def model_version(path: str | Path) -> str:
             fh.seek(max(size - SAMPLE_BYTES, 0))
             h.update(fh.read(SAMPLE_BYTES))
     return "sha256:" + h.hexdigest()[:16]
+
+
+def checkpoint_row(manifest: dict, metrics: dict | None = None) -> dict:
+    """The `checkpoints` table row of one commit (the table's run_id / iteration are added by the writer)."""
+    return {
+        "kind": manifest["kind"],
+        "version": int(manifest["version"]),
+        "checkpoint_id": manifest.get("checkpoint_id") or "",
+        "attempt_id": manifest.get("attempt_id"),
+        "uri": manifest.get("uri"),
+        "files": sorted(manifest.get("files") or []),
+        "bytes": int(manifest.get("bytes") or 0),
+        "metrics": json.dumps(metrics or {}, sort_keys=True),
+    }

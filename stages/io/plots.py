@@ -13,13 +13,14 @@ iteration -1 holds the validation of policy v0. Training-rollout panels plot aga
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
-from deltalake import DeltaTable
 from matplotlib.figure import Figure
 
-from stages.io.store import table_exists
+from stages.io import uris
+from stages.io.store import open_table, table_exists
 
 METRICS_TABLE = "iteration_metrics"
 VAL_REWARD = r"^val-(core|aux)/(.+)/reward/mean@(\d+)$"
@@ -31,16 +32,20 @@ TRAIN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def load_run_metrics(tables_root: str | Path, run_id: str) -> pd.DataFrame:
+def load_run_metrics(
+    tables_root: str | Path, run_id: str, *, storage_options: Mapping[str, str] | None = None
+) -> pd.DataFrame:
     """iteration_metrics rows of one run (iteration, policy_version, metric, value), newest table version.
+    `tables_root`: a storage URI (local or s3://, opened with `storage_options` or those it carries).
 
     Raises FileNotFoundError without the table, LookupError (naming the runs it holds) without rows."""
-    uri = str(Path(tables_root) / METRICS_TABLE)
-    if not table_exists(uri):
+    uri = uris.join(tables_root, METRICS_TABLE)
+    if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(
-            f"no {METRICS_TABLE} Delta table at '{uri}': the tables directory of a run is <trainer.output_dir>/tables"
+            f"no {METRICS_TABLE} Delta table at '{uri}': the tables of a run are under <storage.root>/tables "
+            "(default <trainer.output_dir>/tables)"
         )
-    dt = DeltaTable(uri)
+    dt = open_table(uri, storage_options=storage_options)
     df = dt.to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration", "policy_version", "metric", "value"])
     if df.empty:
         known = sorted(dt.to_pandas(columns=["run_id"])["run_id"].unique())

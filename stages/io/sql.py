@@ -1,53 +1,80 @@
-"""SQL over rlake's Delta tables: DuckDB reading each table's Arrow dataset (no extension download)."""
+"""SQL over rlake's Delta tables: DuckDB reading each table's Arrow dataset (no extension download).
+
+The tables root is a storage URI (stages/io/uris.py): a local directory or `s3://bucket/prefix/tables`,
+opened with `storage_options` (delta-rs options; credentials from the environment). Each table under the
+root becomes a view of its `DeltaTable(...).to_pyarrow_dataset()`, so DuckDB reads local and remote tables
+alike, at any version (time travel)."""
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import duckdb
 import pandas as pd
-from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
+from stages.io import store, uris
 
-def connect(tables_root: str | Path, versions: dict[str, int] | None = None):
+
+def connect(
+    tables_root: str | Path, versions: dict[str, int] | None = None, *, storage_options: Mapping[str, str] | None = None
+):
     """A DuckDB connection with one view per Delta table under tables_root (optionally time-travelled)."""
-    root = Path(tables_root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"no tables under '{root}': run `rlake train` first or pass --tables")
+    root = uris.normalize(tables_root)
+    opts = uris.options_of(tables_root, storage_options)
+    try:
+        names = uris.list_dirs(root, opts)
+    except FileNotFoundError:
+        names = None
+    if names is None or (not uris.is_local(root) and not names):
+        raise FileNotFoundError(
+            f"no tables under '{root}': run `rlake train` first, or point at the run's tables with --tables / "
+            "--config (storage.root, trainer.output_dir)"
+        )
     versions = dict(versions or {})
     con = duckdb.connect()
     found = []
-    for path in sorted(p for p in root.iterdir() if DeltaTable.is_deltatable(str(p))):
-        con.register(path.name, _dataset(path, path.name, versions.pop(path.name, None)))
-        found.append(path.name)
+    for name in names:
+        uri = uris.join(root, name)
+        if store.table_exists(uri, storage_options=opts):
+            con.register(name, _dataset(uri, name, versions.pop(name, None), opts))
+            found.append(name)
     for key in [k for k in versions if ":" in k]:  # ALIAS:TABLE=N adds view ALIAS = TABLE at version N
         alias, _, name = key.partition(":")
         if name not in found:
             raise ValueError(f"--version {key}={versions[key]}: no table '{name}'; tables: {found}")
-        con.register(alias, _dataset(root / name, key, versions.pop(key)))
+        con.register(alias, _dataset(uris.join(root, name), key, versions.pop(key), opts))
     if versions:
         raise ValueError(f"--version names unknown tables {sorted(versions)}; tables: {found}")
     return con
 
 
-def _dataset(path: Path, key: str, version: int | None):
+def _dataset(uri: str, key: str, version: int | None, storage_options: Mapping[str, str] | None):
     """The table's Arrow dataset at `version` (latest when None); a version it lacks is a ValueError."""
     try:
-        return DeltaTable(str(path), version=version).to_pyarrow_dataset()
+        return store.open_table(uri, version=version, storage_options=storage_options).to_pyarrow_dataset()
     except DeltaError as exc:
         if version is None:
             raise
-        latest = DeltaTable(str(path)).version()
+        latest = store.table_version(uri, storage_options=storage_options)
         why = f"the newest is {latest}" if version > latest else str(exc).splitlines()[0]
-        raise ValueError(f"--version {key}={version}: cannot open table '{path.name}' at that version: {why}") from exc
+        raise ValueError(
+            f"--version {key}={version}: cannot open table '{uris.name(uri)}' at that version: {why}"
+        ) from exc
 
 
-def query(tables_root: str | Path, sql: str, versions: dict[str, int] | None = None) -> pd.DataFrame:
+def query(
+    tables_root: str | Path,
+    sql: str,
+    versions: dict[str, int] | None = None,
+    *,
+    storage_options: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
     """Run `sql` over the tables; a DuckDB error becomes a one-line ValueError naming what exists."""
-    con = connect(tables_root, versions)
+    con = connect(tables_root, versions, storage_options=storage_options)
     try:
         return con.execute(sql).fetchdf()
     except duckdb.Error as exc:

@@ -4,12 +4,18 @@ config hash, code version and the versions of the upstream tables the stage read
 Tables are partitioned by (run_id, iteration); a write replaces exactly its own partition
 (`predicate`), so a retried or re-materialized stage never duplicates rows and never touches
 other iterations.
+
+A table is named by a storage URI (stages/io/uris.py): a local path or `file://` URI, or `s3://bucket/...`.
+Every function takes `storage_options` (delta-rs options: endpoint, region, allow_http; None for local),
+defaulting to the options a StorageURI carries; credentials come from the process environment
+(AWS_ACCESS_KEY_ID, ...), never from the options, so they never reach a commit's metadata.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Mapping
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -19,6 +25,7 @@ import pandas as pd
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
+from stages.io import uris
 from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, SCHEMAS
 
 LINEAGE_PREFIX = "rlake."
@@ -60,8 +67,24 @@ def code_version() -> str:
         return "unknown"
 
 
-def table_exists(uri: str) -> bool:
-    return DeltaTable.is_deltatable(uri)
+Options = Mapping[str, str] | None
+"""delta-rs storage_options of a table URI (None: local, or taken from a StorageURI / the environment)."""
+
+
+def _open(uri: str, storage_options: Options) -> tuple[str, dict[str, str] | None]:
+    """(what delta-rs opens, its storage_options): explicit options, else those `uri` carries."""
+    return uris.target(uri), uris.options_of(uri, storage_options)
+
+
+def open_table(uri: str, *, version: int | None = None, storage_options: Options = None) -> DeltaTable:
+    """The DeltaTable at `uri` (optionally at `version`), opened with the URI's storage options."""
+    path, opts = _open(uri, storage_options)
+    return DeltaTable(path, version=version, storage_options=opts)
+
+
+def table_exists(uri: str, *, storage_options: Options = None) -> bool:
+    path, opts = _open(uri, storage_options)
+    return DeltaTable.is_deltatable(path, storage_options=opts)
 
 
 def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
@@ -99,7 +122,14 @@ def extra_columns(name: str, df: pd.DataFrame) -> list[str]:
 
 
 def write_partition(
-    uri: str, name: str, df: pd.DataFrame, *, run_id: str, iteration: int, lineage: dict[str, Any]
+    uri: str,
+    name: str,
+    df: pd.DataFrame,
+    *,
+    run_id: str,
+    iteration: int,
+    lineage: dict[str, Any],
+    storage_options: Options = None,
 ) -> int:
     """Replace partition (run_id, iteration) of table `name` at `uri`; returns the new version."""
     if not len(df):
@@ -107,8 +137,37 @@ def write_partition(
             f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
             f"{iteration}): an empty stage output means an upstream stage produced nothing"
         )
-    df = df.assign(run_id=run_id, iteration=iteration)
-    data = to_arrow(name, df)
+    data = to_arrow(name, df.assign(run_id=run_id, iteration=iteration))
+    props = CommitProperties(custom_metadata=commit_metadata(name, data, run_id, iteration, lineage))
+    path, opts = _open(uri, storage_options)
+    if not DeltaTable.is_deltatable(path, storage_options=opts):
+        write_deltalake(
+            path,
+            data,
+            mode="append",
+            partition_by=["run_id", "iteration"],
+            commit_properties=props,
+            storage_options=opts,
+        )
+    else:
+        safe_run = run_id.replace("'", "''")
+        # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
+        # instead of refusing a resumed run's writes
+        write_deltalake(
+            path,
+            data,
+            mode="overwrite",
+            predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
+            commit_properties=props,
+            schema_mode="merge",
+            storage_options=opts,
+        )
+    return DeltaTable(path, storage_options=opts).version()
+
+
+def commit_metadata(name: str, data: pa.Table, run_id: str, iteration: int, lineage: dict[str, Any]) -> dict[str, str]:
+    """The rlake.* commit metadata of a write: the stage's lineage plus run, iteration, table, code version and
+    the value sets of COMMIT_SETS columns. Never a storage option or credential."""
     meta = {LINEAGE_PREFIX + k: (v if isinstance(v, str) else json.dumps(v)) for k, v in lineage.items()}
     meta |= {
         LINEAGE_PREFIX + "run_id": run_id,
@@ -119,31 +178,22 @@ def write_partition(
     for column, key in COMMIT_SETS.items():  # e.g. every reward version that scored the rows written
         if column in data.column_names:
             meta[LINEAGE_PREFIX + key] = json.dumps(sorted({v for v in data[column].to_pylist() if v is not None}))
-    props = CommitProperties(custom_metadata=meta)
-    if not table_exists(uri):
-        write_deltalake(uri, data, mode="append", partition_by=["run_id", "iteration"], commit_properties=props)
-    else:
-        safe_run = run_id.replace("'", "''")
-        # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
-        # instead of refusing a resumed run's writes
-        write_deltalake(
-            uri,
-            data,
-            mode="overwrite",
-            predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
-            commit_properties=props,
-            schema_mode="merge",
-        )
-    return DeltaTable(uri).version()
+    return meta
 
 
 def read_partition(
-    uri: str, run_id: str, iteration: int, *, version: int | None = None, columns: list[str] | None = None
+    uri: str,
+    run_id: str,
+    iteration: int,
+    *,
+    version: int | None = None,
+    columns: list[str] | None = None,
+    storage_options: Options = None,
 ) -> pd.DataFrame:
     """Rows of one (run_id, iteration) partition, optionally at a table version (time travel)."""
-    if not table_exists(uri):
+    if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
-    dt = DeltaTable(uri, version=version)
+    dt = open_table(uri, version=version, storage_options=storage_options)
     df = dt.to_pandas(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns)
     if not len(df):
         raise LookupError(
@@ -153,14 +203,16 @@ def read_partition(
     return df
 
 
-def table_version(uri: str) -> int:
-    return DeltaTable(uri).version()
+def table_version(uri: str, *, storage_options: Options = None) -> int:
+    return open_table(uri, storage_options=storage_options).version()
 
 
-def commit_lineage(uri: str, *, run_id: str | None = None, iteration: int | None = None) -> list[dict[str, Any]]:
+def commit_lineage(
+    uri: str, *, run_id: str | None = None, iteration: int | None = None, storage_options: Options = None
+) -> list[dict[str, Any]]:
     """The rlake lineage of every commit (newest first), optionally for one run / iteration."""
     out = []
-    for entry in DeltaTable(uri).history():
+    for entry in open_table(uri, storage_options=storage_options).history():
         meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
         if not meta:
             continue

@@ -191,6 +191,40 @@ SCHEMAS: dict[str, pa.Schema] = {
             *_TURN_FIELDS,
         ]
     ),
+    # one row per committed checkpoint (stages.io.checkpoints): iteration = the iteration whose stage wrote it
+    # (policy/critic version v is written by iteration v-1; version 0 at -1 for the policy, 0 for the critic),
+    # uri = where its files are, metrics = the update's metrics (JSON); lineage in the commit metadata
+    "checkpoints": pa.schema(
+        _KEYS
+        + [
+            pa.field("kind", pa.string(), nullable=False),
+            pa.field("version", pa.int64(), nullable=False),
+            pa.field("checkpoint_id", pa.string(), nullable=False),
+            pa.field("attempt_id", pa.string()),
+            pa.field("uri", pa.string()),
+            pa.field("files", pa.list_(pa.string())),
+            pa.field("bytes", pa.int64()),
+            pa.field("metrics", pa.string()),
+        ]
+    ),
+    # workers: where each live worker of the run was at the end of the iteration (role, rank, Ray node,
+    # process, resources and placement-group bundle, torch threads and device): the recorded placement
+    "workers": pa.schema(
+        _KEYS
+        + [
+            pa.field("role", pa.string(), nullable=False),
+            pa.field("rank", pa.int64(), nullable=False),
+            pa.field("actor_name", pa.string()),
+            pa.field("node_id", pa.string()),
+            pa.field("node_ip", pa.string()),
+            pa.field("pid", pa.int64()),
+            pa.field("threads", pa.int64()),
+            pa.field("device", pa.string()),
+            pa.field("resources", pa.string()),
+            pa.field("placement_group", pa.string()),
+            pa.field("bundle_index", pa.int64()),
+        ]
+    ),
     "iteration_metrics": pa.schema(
         _KEYS
         + [

@@ -23,10 +23,13 @@ from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import Dataset, DatasetInput, InputTag
 
 from stages.dag import TABLES
+from stages.io import uris
 from stages.io.plots import load_run_metrics, validation_figure
 from stages.io.store import commit_lineage, git_commit, table_exists
 
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+TRACKING_SERVER_SCHEMES = ("http", "https", "databricks")
+"""Tracking URIs of an MLflow server: the server decides where its experiments' artifacts go."""
 SAMPLE_COLUMNS = [
     "prompt_text",
     "response_text",
@@ -44,13 +47,25 @@ SAMPLE_COLUMNS = [
 VALIDATION_FIGURE = "validation_curve.png"
 
 
+def is_tracking_server(tracking_uri: str) -> bool:
+    """An MLflow tracking server (http/https, Databricks) rather than a store the client opens (sqlite, a
+    database URI, a directory): a server with `--serve-artifacts` proxies artifact uploads to its
+    `--artifacts-destination` (e.g. s3://bucket/mlartifacts), so clients need no artifact root or credentials."""
+    return tracking_uri.split(":", 1)[0].lower() in TRACKING_SERVER_SCHEMES
+
+
 def code_tags() -> dict[str, str]:
     sha = git_commit()
     return {"mlflow.source.git.commit": sha, "rlake.git_commit": sha} if sha else {}
 
 
 def iteration_lineage(
-    tables_root: str | Path, run_id: str, iteration: int, *, metrics_version: int | None = None
+    tables_root: str | Path,
+    run_id: str,
+    iteration: int,
+    *,
+    metrics_version: int | None = None,
+    storage_options: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One Delta commit per table written for (run_id, iteration), in stages/dag.py's TABLES order.
 
@@ -59,11 +74,12 @@ def iteration_lineage(
     commits for the iteration but not reached gets its newest. Each entry: table, uri, version, and
     the commit's lineage (stage, policy_version, upstream, ...)."""
     commits = {}
+    root = uris.with_options(tables_root, uris.options_of(tables_root, storage_options))
     for table in TABLES:
-        uri = str(Path(tables_root) / table)
+        uri = uris.join(root, table)  # a string join: s3://bucket/t stays s3://, its options carried
         found = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
         if found:  # newest first
-            commits[table] = {"uri": uri, "newest": found[0], "by_version": {c["version"]: c for c in found}}
+            commits[table] = {"uri": str(uri), "newest": found[0], "by_version": {c["version"]: c for c in found}}
     chosen: dict[str, dict[str, Any]] = {}
     start = commits.get("iteration_metrics")
     todo = (
@@ -120,10 +136,13 @@ def log_lineage(
     iteration: int,
     *,
     metrics_version: int | None = None,
+    storage_options: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Log the iteration's table versions as dataset inputs of the MLflow run; returns the lineage entries.
     Idempotent: MLflow keeps one input per (dataset name, digest) and run."""
-    entries = iteration_lineage(tables_root, run_id, iteration, metrics_version=metrics_version)
+    entries = iteration_lineage(
+        tables_root, run_id, iteration, metrics_version=metrics_version, storage_options=storage_options
+    )
     if entries:
         client.log_inputs(mlflow_run_id, datasets=[delta_dataset_input(e, iteration) for e in entries])
     return entries
@@ -154,9 +173,12 @@ def log_validation_samples(
     return artifact
 
 
-def log_validation_figure(client, mlflow_run_id: str, tables_root: str | Path, run_id: str) -> str:
+def log_validation_figure(
+    client, mlflow_run_id: str, tables_root: str | Path, run_id: str, *, storage_options: dict[str, str] | None = None
+) -> str:
     """validation_curve.png (stages.io.plots.validation_figure) of the run's iteration_metrics rows."""
-    fig = validation_figure(load_run_metrics(tables_root, run_id), f"validation curve, run {run_id}")
+    metrics = load_run_metrics(tables_root, run_id, storage_options=storage_options)
+    fig = validation_figure(metrics, f"validation curve, run {run_id}")
     client.log_figure(mlflow_run_id, fig, VALIDATION_FIGURE)
     return VALIDATION_FIGURE
 

@@ -3,6 +3,9 @@
 A checkpoint policy_v<N> holds the HF model and tokenizer plus rlake's training state
 (optimizer.pt, update_metrics.json, trainer_state.json, ...). `export_policy` copies only the
 files `from_pretrained` reads, then proves the copy loads with AutoModelForCausalLM/AutoTokenizer.
+A checkpoint named by run and version is found under the run's storage root (`storage.root`, default
+trainer.output_dir): a local root's own directory, or a remote (s3://) one fetched into the node's cache
+by its checkpoint id (stages.io.checkpoints.ModelStore.fetch).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stages.io.checkpoints import atomic_dir
+from configs.schema import RunConfig
+from stages.io import uris
+from stages.io.checkpoints import ModelStore, atomic_dir
 
 HF_FILES = (
     "config.json",
@@ -38,19 +43,23 @@ HF_FILES = (
 
 
 def resolve_checkpoint(
-    checkpoint: str | None, *, output_dir: str | None = None, run_id: str | None = None, version: int | None = None
+    checkpoint: str | None, *, cfg: RunConfig | None = None, run_id: str | None = None, version: int | None = None
 ) -> Path:
-    """The policy dir named by --checkpoint, or by output_dir/checkpoints/<run_id>/policy_v<version>."""
+    """The policy dir named by --checkpoint, or by run and version under cfg's checkpoints root
+    (<storage.root>/checkpoints/<run_id>/policy_v<version>; a remote root's version is fetched into the cache)."""
     if checkpoint is not None:
         if run_id is not None or version is not None:
             raise ValueError("give either --checkpoint DIR or --run-id R --version N, not both")
         return Path(checkpoint)
-    if run_id is None or version is None or output_dir is None:
+    if run_id is None or version is None or cfg is None:
         raise ValueError(
             "name the checkpoint: --checkpoint <policy_vN dir>, or --run-id R --version N "
-            "(with --config locating trainer.output_dir)"
+            "(with --config locating storage.root / trainer.output_dir)"
         )
-    return Path(output_dir) / "checkpoints" / run_id / f"policy_v{version}"
+    root = uris.checkpoints_root(cfg)
+    if uris.is_local(root):  # the directory itself: export_policy says what is wrong with a missing one
+        return uris.local_path(root) / run_id / f"policy_v{version}"
+    return ModelStore.for_config(cfg, run_id).fetch(version, needed_by="rlake export")
 
 
 def export_policy(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> dict:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from configs.schema import RunConfig
-from stages.io import store
+from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
 from stages.update import run_update, update_request
@@ -76,11 +76,11 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
 
 def recorded_inputs(cfg: RunConfig, iteration: int) -> tuple[int, dict[str, float], str]:
     """(advantages version, logged metrics, config hash) of the iteration, from iteration_metrics' lineage."""
-    uri = str(Path(cfg.trainer.output_dir).resolve() / "tables" / "iteration_metrics")
+    uri = uris.table_uri(cfg, "iteration_metrics")
     if iteration == PROMPTS_ITERATION or not store.table_exists(uri):
         raise FileNotFoundError(
             f"no iteration_metrics table at {uri}: replay needs a finished iteration of a run; "
-            "check --config / trainer.output_dir"
+            "check --config / storage.root / trainer.output_dir"
         )
     commits = store.commit_lineage(uri, run_id=cfg.run_id, iteration=iteration)
     if not commits:
@@ -130,7 +130,6 @@ def replay_update(
 ) -> ReplayReport:
     """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare (the
     policy_checkpoint asset's request builder and update function, stages.update)."""
-    out = Path(cfg.trainer.output_dir).resolve()
     adv_version, logged, cfg_hash = recorded_inputs(cfg, iteration)
     if cfg_hash != cfg.config_hash():
         raise ValueError(
@@ -138,11 +137,10 @@ def replay_update(
             f"with (hash {cfg_hash}), so the replay would not reproduce its update; pass the run's "
             "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)"
         )
-    ms = ModelStore(out / "checkpoints", cfg.run_id)
-    start = ms.policy_dir(iteration)
-    if not (start / "config.json").is_file():
+    ms = ModelStore.for_config(cfg)
+    if iteration not in ms.versions():
         raise FileNotFoundError(
-            f"replay of iteration {iteration} starts from policy_v{iteration} at {start}, which is not kept "
+            f"replay of iteration {iteration} starts from policy_v{iteration} under {ms.uri}, which is not kept "
             f"(kept: {ms.versions()}); trainer.save_freq={cfg.trainer.save_freq} keeps every save_freq-th version "
             "plus the newest two, so replay an iteration whose version is kept or train with trainer.save_freq=1"
         )
@@ -151,9 +149,9 @@ def replay_update(
     req = update_request(
         cfg,
         iteration,
-        advantages_uri=str(out / "tables" / "advantages"),
+        advantages_uri=uris.table_uri(cfg, "advantages"),  # carries storage.options to the update workers
         advantages_version=adv_version,
-        policy_dir=start,
+        policy_dir=ms.require(iteration, needed_by=f"replay of iteration {iteration}"),
         out_dir=scratch / f"policy_v{iteration + 1}",
     )
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
@@ -162,8 +160,8 @@ def replay_update(
     for name in sorted(k for k in replayed if k.startswith("actor/") and k in logged and k not in SKIP_METRICS):
         a, b = logged[name], float(replayed[name])
         report.rows.append((name, a, b, _rel(a, b), _close(a, b, rtol, atol)))
-    stored = ms.policy_dir(iteration + 1)
-    if (stored / "config.json").is_file():
+    if iteration + 1 in ms.versions():
+        stored = ms.fetch(iteration + 1, needed_by="the replay's weight comparison")
         max_abs, max_rel = compare_weights(Path(req.out_dir), stored)
         report.weights = (max_abs, max_rel, max_rel <= rtol)
     return report

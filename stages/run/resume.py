@@ -5,7 +5,9 @@ seeds are pure functions of (seed, iteration), so re-running an iteration reprod
 is therefore: find the first iteration whose `iteration_metrics` partition is missing (the last
 asset of an iteration), roll back to the newest kept checkpoint at or before it, and re-run from
 there. Each checkpoint policy_v<N> carries a `trainer_state.json` (iteration, config hashes, data
-cursor, seeds) that is checked before resuming from it.
+cursor, seeds), committed with it (`trainer_state_files`), that is checked before resuming from it.
+Checkpoints are read through the run's ModelStore (stages.io.checkpoints), so a run whose storage.root is
+s3:// resumes from the bucket on any node.
 
 Modes (`trainer.resume_mode`, verl's names):
 - auto: continue the run named by trainer.run_id / --run-id if it exists; without a run id, the
@@ -25,6 +27,7 @@ from pathlib import Path
 from deltalake import DeltaTable
 
 from stages import seeds
+from stages.io import objects, uris
 from stages.io.checkpoints import ModelStore, atomic_write_text
 from stages.models.tiny import build_char_tokenizer
 
@@ -95,6 +98,15 @@ def trainer_state(cfg, run_id: str, version: int, num_train_prompts: int) -> dic
     }
 
 
+def trainer_state_files(cfg, version: int, num_train_prompts: int) -> dict[str, str]:
+    """{STATE_FILE: text} of trainer_state(...) for run cfg.run_id: committed with checkpoint policy_v<version> by
+    the asset that writes it (initial_policy, policy_checkpoint), so a run from `rlake train` and an iteration
+    launched from the Dagster UI leave the same state, inside the checkpoint's one commit."""
+    return {
+        STATE_FILE: json.dumps(trainer_state(cfg, cfg.run_id, version, num_train_prompts), indent=1, sort_keys=True)
+    }
+
+
 def write_trainer_state(policy_dir: str | Path, state: dict) -> Path:
     """policy_dir/trainer_state.json, written whole or not at all (atomic_write_text)."""
     return atomic_write_text(Path(policy_dir) / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
@@ -112,11 +124,12 @@ def read_trainer_state(policy_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def completed_iterations(metrics_uri: str, run_id: str) -> set[int]:
+def completed_iterations(metrics_uri: str, run_id: str, storage_options: dict | None = None) -> set[int]:
     """Iterations of run_id whose iteration_metrics partition exists (-1 = set-up done)."""
-    if not DeltaTable.is_deltatable(metrics_uri):
+    if not DeltaTable.is_deltatable(metrics_uri, storage_options=storage_options):
         return set()
-    df = DeltaTable(metrics_uri).to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration"])
+    table = DeltaTable(metrics_uri, storage_options=storage_options)
+    df = table.to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration"])
     return {int(i) for i in df["iteration"].unique()}
 
 
@@ -133,21 +146,44 @@ def resume_point(done: set[int], versions: list[int]) -> tuple[bool, int]:
     return False, max(v for v in versions if v <= k)
 
 
-def find_resumable_run(checkpoints_root: str | Path, experiment_name: str, rhash: str, total: int) -> str | None:
-    """Run id of the newest unfinished run of this experiment and resume hash, by trainer_state mtime."""
+def find_resumable_run(
+    checkpoints_root: str | Path,
+    experiment_name: str,
+    rhash: str,
+    total: int,
+    *,
+    options: dict[str, str] | None = None,
+    cache_dir: str | None = None,
+) -> str | None:
+    """Run id of the newest unfinished run of this experiment and resume hash (by its newest checkpoint's commit
+    time), among the runs under checkpoints_root (a local directory or a storage URI)."""
+    root = uris.normalize(checkpoints_root)
+    if uris.is_local(root) and not Path(root).is_dir():
+        return None
     best: tuple[float, str] | None = None
-    for state_path in Path(checkpoints_root).glob(f"*/policy_v*/{STATE_FILE}"):
-        state = json.loads(state_path.read_text())
+    for run in objects.list_prefixes(objects.open_store(root, options), ""):
+        ms = ModelStore(root, run, cache_dir=cache_dir, options=options)
+        versions = ms.versions()
+        if not versions or versions[-1] >= total:
+            continue  # not a run, or finished (policy v_total exists)
+        state = next((s for v in reversed(versions) if (s := ms.read_file(v, STATE_FILE)) is not None), None)
+        if state is None:
+            continue
+        state = json.loads(state)
         if state.get("experiment_name") != experiment_name or state.get("resume_hash") != rhash:
             continue
-        run_dir = state_path.parent.parent
-        newest = max(ModelStore(run_dir.parent, run_dir.name).versions(), default=-1)
-        if newest >= total:
-            continue  # finished (policy v_total exists)
-        mtime = state_path.stat().st_mtime
-        if best is None or mtime > best[0]:
-            best = (mtime, run_dir.name)
+        when = _committed_at(ms, int(state["iteration"]))
+        if best is None or when > best[0]:
+            best = (when, run)
     return best[1] if best else None
+
+
+def _committed_at(ms: ModelStore, version: int) -> float:
+    """When a version was committed (its manifest's time; a local pre-manifest checkpoint: its state's mtime)."""
+    m = ms.manifest(version) or {}
+    if "committed_at" in m:
+        return float(m["committed_at"])
+    return (ms.policy_dir(version) / STATE_FILE).stat().st_mtime if ms.local else 0.0
 
 
 def check_trainer_state(state: dict | None, cfg, policy_dir: Path, version: int) -> None:
@@ -233,20 +269,25 @@ def check_architecture(ckpt_dir: str | Path, model_cfg) -> None:
 def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan:
     """Decide where `rlake train` starts. run_id: --run-id or trainer.run_id (None: not given);
     total: iterations the run should reach (default trainer.total_training_steps)."""
-    out = Path(cfg.trainer.output_dir).resolve()
-    ckpt_root, metrics_uri = out / "checkpoints", str(out / "tables" / "iteration_metrics")
+    ckpt_root, metrics_uri = uris.checkpoints_root(cfg), uris.join(uris.tables_root(cfg), "iteration_metrics")
     total = cfg.trainer.total_training_steps if total is None else total
     mode = cfg.trainer.resume_mode
     if mode == "resume_path":
-        return _plan_from_path(cfg, run_id, ckpt_root, total)
+        return _plan_from_path(cfg, run_id, Path(uris.local_path(ckpt_root)), total)
     if mode == "disable":
-        note = (
-            f" (run {run_id} exists: its partitions are replaced)" if run_id and (ckpt_root / run_id).exists() else ""
-        )
+        exists = run_id and ModelStore.for_config(cfg, run_id).versions()
+        note = f" (run {run_id} exists: its partitions are replaced)" if exists else ""
         return ResumePlan(run_id, 0, True, f"resume_mode=disable: starting at iteration 0{note}")
     given = run_id is not None
     if run_id is None:
-        run_id = find_resumable_run(ckpt_root, cfg.trainer.experiment_name, resume_hash(cfg), total)
+        run_id = find_resumable_run(
+            ckpt_root,
+            cfg.trainer.experiment_name,
+            resume_hash(cfg),
+            total,
+            options=uris.storage_options(cfg),
+            cache_dir=cfg.storage.cache_dir,
+        )
         if run_id is None:
             return ResumePlan(
                 None,
@@ -255,14 +296,15 @@ def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan
                 "resume_mode=auto: no unfinished run of experiment "
                 f"'{cfg.trainer.experiment_name}' with resume hash {resume_hash(cfg)}: starting fresh",
             )
-    ms = ModelStore(ckpt_root, run_id)
-    done, versions = completed_iterations(metrics_uri, run_id), ms.versions()
+    ms = ModelStore.for_config(cfg, run_id)
+    done, versions = completed_iterations(metrics_uri, run_id, uris.storage_options(cfg)), ms.versions()
     if not done and not versions:
         return ResumePlan(run_id, 0, True, f"resume_mode=auto: run {run_id} does not exist yet: starting fresh")
     setup, start = resume_point(done, versions)
     if not setup:
-        check_architecture(ms.policy_dir(start), cfg.model)
-        check_trainer_state(read_trainer_state(ms.policy_dir(start)), cfg, ms.policy_dir(start), start)
+        start_dir = ms.fetch(start, needed_by="the resume checks")  # a remote root: this node's cached copy
+        check_architecture(start_dir, cfg.model)
+        check_trainer_state(read_trainer_state(start_dir), cfg, start_dir, start)
     if not setup and start >= total:
         return ResumePlan(
             run_id,

@@ -25,7 +25,6 @@ Choices (verl semantics):
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +37,7 @@ from transformers.utils import logging as hf_logging
 
 from stages.algos.losses import GlobalBatch
 from stages.algos.masking import masked_mean, masked_var
-from stages.io.checkpoints import OPTIMIZER_FILE, atomic_dir, save_optimizer_state
+from stages.io.checkpoints import OPTIMIZER_FILE, checkpoint_target, resolve_model_dir, save_optimizer_state, writing
 from stages.models.policy import load_tokenizer
 from stages.train.batching import (
     loss_mask,
@@ -97,9 +96,10 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write critic version 0: policy_dir's backbone + a fresh scalar head (written with atomic_dir)."""
-    policy_dir, out = Path(policy_dir), Path(out_dir)
+def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -> str | Path:
+    """Write critic version 0: policy_dir's backbone + a fresh scalar head (out_dir: a checkpoint_target,
+    committed to the run's store, or a directory written whole; stages.io.checkpoints.writing)."""
+    policy_dir, out = resolve_model_dir(policy_dir), out_dir
     tok = load_tokenizer(policy_dir)
     config = AutoConfig.from_pretrained(policy_dir, num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0
@@ -123,23 +123,14 @@ def init_critic(policy_dir: str | Path, out_dir: str | Path, *, seed: int = 0) -
 def require_critic(store, version: int, *, seed: int, needed_by: str) -> Path:
     """Critic `version` of the run (a stages.io.checkpoints.ModelStore); version 0 is created from policy
     version 0 on first use, any later one must have been written by iteration version-1's update."""
-    path = store.critic_dir(version)
-    if (path / "config.json").is_file():
-        return path
-    if version == 0:
-        return init_critic(store.require(0, needed_by=needed_by), path, seed=seed)
-    have = sorted(
-        int(p.name[len("critic_v") :]) for p in store.dir.glob("critic_v*") if p.name[len("critic_v") :].isdigit()
-    )
-    raise FileNotFoundError(
-        f"{needed_by} needs critic version {version} at {path}, which does not exist (have {have}). Version "
-        f"{version} is written by iteration {version - 1}'s critic_checkpoint: materialize that first."
-    )
+    if version == 0 and store.manifest(0, "critic") is None:
+        init_critic(store.require(0, needed_by=needed_by), checkpoint_target(store, "critic", 0), seed=seed)
+    return store.require(version, needed_by=needed_by, kind="critic")
 
 
 def load_critic(critic_dir: str | Path):
     """(value model in eval mode, tokenizer) of a critic directory written by init_critic / the update."""
-    path = Path(critic_dir)
+    path = resolve_model_dir(critic_dir)  # a checkpoint reference: this node's cached copy
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"'{path}' is not a critic checkpoint (no config.json); critic version 0 is created "
@@ -155,10 +146,10 @@ def load_critic(critic_dir: str | Path):
     return model.eval(), load_tokenizer(path)
 
 
-def _save(model, tok, out: Path, *, metrics: dict, optimizer=None, scheduler=None) -> Path:
-    """The critic directory `out` (HF model + tokenizer, optimizer state when given, metrics), written whole or
-    not at all; a retried attempt replaces its own earlier output."""
-    with atomic_dir(out) as tmp:
+def _save(model, tok, out: str | Path, *, metrics: dict, optimizer=None, scheduler=None) -> str | Path:
+    """The critic checkpoint `out` (HF model + tokenizer, optimizer state when given, metrics): committed to the
+    run's store for a checkpoint_target, else a directory written whole or not at all."""
+    with writing(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         if optimizer is not None:
@@ -305,7 +296,7 @@ def run_critic_update(
     model, tok = load_critic(critic_dir)
     model.to(device)
     opt, sched = make_optimizer(model, critic_cfg.optim)
-    restore_optimizer(opt, sched, critic_dir)
+    restore_optimizer(opt, sched, resolve_model_dir(critic_dir))
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch_threads(threads):
@@ -313,7 +304,7 @@ def run_critic_update(
             model, opt, sched, rows, critic_cfg, n_per_prompt=n_per_prompt, pad_id=tok.pad_token_id, seed=seed
         )
     metrics["timing_s/critic_update"] = time.perf_counter() - t0
-    _save(model, tok, Path(out_dir), metrics=metrics, optimizer=opt, scheduler=sched)
+    _save(model, tok, out_dir, metrics=metrics, optimizer=opt, scheduler=sched)
     return metrics
 
 
@@ -345,25 +336,12 @@ def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[
     return out
 
 
-def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, new_critic_dir: str | Path) -> dict[str, float]:
-    """An iteration's critic metrics: the data metrics plus those the update stored beside version v+1."""
-    path = Path(new_critic_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no critic update metrics at {path}: materialize critic_checkpoint of this iteration first"
-        )
-    return critic_data_metrics(advantages, values) | json.loads(path.read_text())
+def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, update_metrics: dict) -> dict[str, float]:
+    """An iteration's critic metrics: the data metrics plus the update's (returned by the critic update and
+    recorded in the `checkpoints` table row of critic version v+1)."""
+    return critic_data_metrics(advantages, values) | dict(update_metrics)
 
 
 def prune_critics(store, keep_every: int, latest: int) -> list[int]:
-    """Delete critic versions not a multiple of keep_every, except 0 and the newest two (as policies)."""
-    removed = []
-    for p in sorted(store.dir.glob("critic_v*")):
-        if not p.name[len("critic_v") :].isdigit():
-            continue
-        v = int(p.name[len("critic_v") :])
-        if v in (0, latest, latest - 1) or (keep_every > 0 and v % keep_every == 0):
-            continue
-        shutil.rmtree(p)
-        removed.append(v)
-    return removed
+    """Retract critic versions not a multiple of keep_every, except 0 and the newest two (as policies)."""
+    return store.prune(keep_every, latest, kind="critic")

@@ -20,7 +20,6 @@ Shape: one mesh dimension over all ranks (FSDP, no HSDP); each decoder layer (th
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,11 +48,9 @@ def ensure_process_group(device: torch.device) -> None:
     """A one-process group when none exists (a one-rank actor group has none; FSDP's mesh needs one)."""
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # an in-process store: a TCPStore would listen on every interface for a group of one
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def layer_classes(model) -> tuple[type, ...]:

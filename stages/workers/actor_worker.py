@@ -3,13 +3,16 @@
 stages.update runs `ActorWorker.update(request)` on every rank of the run's "actor" group (one gloo
 process group over actor.num_workers Ray actors). Each rank reads its share of the iteration's rows
 from the advantages Delta table at the recorded version (`read_rows`), runs one PPO update, and rank 0
-writes the new HF checkpoint with optimizer state, update metrics and a checkpoint id into
-request.out_dir, atomically.
+commits the new HF checkpoint with optimizer state, update metrics and a checkpoint id to the run's
+checkpoint store (request.out_dir a checkpoint_target: uploaded, manifest last; stages.io.checkpoints), or
+writes it into the local directory request.out_dir atomically. The metrics return to the driver as the
+call's value (through Ray).
 
 - torch (actor.strategy='torch'): `stages.train.actor.ppo_update`, DDP over the group. The rank keeps
   the policy, optimizer, scheduler and tokenizer it just wrote (`self.resident`); the next update skips
-  the load when its input checkpoint is that one (same directory, same checkpoint id) and loads from
-  disk otherwise (a re-materialized or replayed iteration, a resumed run). Either way the update is the
+  the load when its input checkpoint is that one (same checkpoint id) and loads it (fetched into
+  the node's cache when it is a checkpoint reference) otherwise (a re-materialized or replayed
+  iteration, a resumed run). Either way the update is the
   same function of the checkpoint on disk.
 - fsdp (actor.strategy='fsdp'): the same `ppo_update` on a model sharded with torch's FSDP2 `fully_shard`
   (stages.train.fsdp) instead of DDP, kept resident as torch's; rank 0 writes the torch backend's checkpoint
@@ -33,7 +36,6 @@ request.out_dir, atomically.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ActorConfig, OptimConfig
 from stages import seeds
-from stages.io.checkpoints import CHECKPOINT_ID, atomic_dir, checkpoint_identity, save_optimizer_state
+from stages.io.checkpoints import (
+    CHECKPOINT_ID,
+    checkpoint_identity,
+    ref_checkpoint_id,
+    resolve_model_dir,
+    save_optimizer_state,
+    writing,
+)
 from stages.io.store import read_partition
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
@@ -68,7 +77,8 @@ from stages.workers.placement import collective_backend
 from stages.workers.requests import UpdateRequest
 
 METRICS_FILE = "update_metrics.json"
-"""The update's metrics beside the checkpoint it wrote (iteration_metrics and replay read them)."""
+"""The update's metrics, kept beside the checkpoint as a record; the driver takes them from the update call's
+return value (through Ray), never from this file."""
 
 
 def shard_for_rank(n: int, mini: int, rank: int, world: int) -> list[int]:
@@ -118,14 +128,17 @@ def stored_old_logprobs(part: pd.DataFrame) -> list[list[float]] | None:
 
 
 def write_checkpoint(
-    out_dir: str | Path, model, tok, optimizer_state: dict, scheduler_state: dict, metrics: dict, ckpt_id: str
+    req: UpdateRequest, model, tok, optimizer_state: dict, scheduler_state: dict, metrics: dict
 ) -> None:
-    """HF model + optimizer state + metrics + checkpoint id, atomically: the directory is complete or absent."""
-    with atomic_dir(out_dir) as tmp:
+    """HF model + optimizer state + metrics + checkpoint id (+ req.extra_files) to req.out_dir: committed to the
+    run's store when it is a checkpoint_target (uploaded, manifest last), else written atomically."""
+    with writing(req.out_dir, checkpoint_id=req.checkpoint_id) as tmp:
         save_policy(model, tok, tmp)
         save_optimizer_state(tmp, optimizer_state, scheduler_state)
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
-        (tmp / CHECKPOINT_ID).write_text(ckpt_id)
+        (tmp / CHECKPOINT_ID).write_text(req.checkpoint_id)
+        for name, text in req.extra_files:
+            (tmp / name).write_text(text)
 
 
 @dataclass
@@ -142,20 +155,16 @@ class ResidentPolicy:
     tokenizer: Any
 
     def holds(self, policy_dir: str, optim: OptimConfig) -> bool:
-        """Whether this is the checkpoint at policy_dir (loaded or written by this rank, not rewritten since)."""
+        """Whether this is the checkpoint policy_dir names (loaded or written by this rank): same checkpoint id."""
         want = resident_id(policy_dir)
-        return (
-            self.ckpt_dir == str(Path(policy_dir).resolve())
-            and want is not None
-            and self.ckpt_id == want
-            and self.optim == optim
-        )
+        return want is not None and self.ckpt_id == want and self.optim == optim
 
 
 def resident_id(policy_dir: str | Path) -> str | None:
-    """What identifies a checkpoint a rank holds: its checkpoint id, or for one written without (version 0)
-    its weight files' names and mtimes (stages.io.checkpoints.checkpoint_identity); None: no way to tell."""
-    return checkpoint_identity(policy_dir)[1] or None
+    """What identifies a checkpoint a rank holds: its checkpoint id (read from a checkpoint reference without a
+    download), or for a directory written without one its path and weight files' mtimes
+    (stages.io.checkpoints.checkpoint_identity); None: no way to tell."""
+    return ref_checkpoint_id(policy_dir) or checkpoint_identity(resolve_model_dir(policy_dir))[0] or None
 
 
 def load_resident(
@@ -164,6 +173,7 @@ def load_resident(
     """The policy at policy_dir on `device` (the rank's) with a fresh optimizer holding the optimizer state
     stored beside it; strategy 'fsdp': sharded over the ranks (a collective, stages.train.fsdp)."""
     ident = resident_id(policy_dir)  # before the load: a checkpoint rewritten meanwhile is not taken for this one
+    policy_dir = str(resolve_model_dir(policy_dir))  # a checkpoint reference: this node's cached copy
     model, tok = load_policy(policy_dir)
     model.to(device)
     if strategy == "fsdp":
@@ -218,7 +228,7 @@ class ActorWorker(Worker):
                 "ActorWorker; build the actor group with strategy=actor.strategy"
             )
         if self.strategy in ("megatron", "fsdp"):  # fsdp: sharded forwards are collectives, the shards' sizes differ
-            model, tok = load_policy(policy_dir)
+            model, tok = load_policy(resolve_model_dir(policy_dir))
             model.to(self.device)
         else:
             if self.resident is None or not self.resident.holds(policy_dir, actor.optim):
@@ -276,17 +286,11 @@ class ActorWorker(Worker):
         model, opt_state = gather_checkpoint(res.model, res.optimizer) if fsdp else (res.model, None)
         if self.rank == 0:
             write_checkpoint(
-                req.out_dir,
-                model,
-                res.tokenizer,
-                opt_state or res.optimizer.state_dict(),
-                res.scheduler.state_dict(),
-                metrics,
-                req.checkpoint_id,
+                req, model, res.tokenizer, opt_state or res.optimizer.state_dict(), res.scheduler.state_dict(), metrics
             )
         if self.world > 1:
             dist.barrier()  # every rank sees the checkpoint before keeping its state resident
-        res.ckpt_dir, res.ckpt_id = str(Path(req.out_dir).resolve()), req.checkpoint_id
+        res.ckpt_dir, res.ckpt_id = req.out_dir, req.checkpoint_id
         self.resident = res
         return metrics
 
@@ -295,10 +299,8 @@ def _ensure_process_group(device: torch.device) -> bool:
     """A one-process group (gloo, NCCL on a GPU) when none exists (megatron's parallel_state needs one)."""
     if dist.is_initialized():
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(collective_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # an in-process store: a TCPStore would listen on every interface for a group of one
+    dist.init_process_group(collective_backend(device), store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
@@ -335,7 +337,8 @@ def _megatron_load(req: UpdateRequest, tp: int, pp: int, device: torch.device):
 
     model_parallel_cuda_manual_seed(req.seed)
     torch.manual_seed(seeds.update_rank(req.seed, dist.get_rank()))
-    hf_model, tok = load_policy(req.policy_dir)
+    policy_dir = resolve_model_dir(req.policy_dir)
+    hf_model, tok = load_policy(policy_dir)
     arch = hf_arch(hf_model.config)
     model = build_gpt_model(arch, tp, pp).to(device)  # built on the CPU (use_cpu_initialization), then moved
     tp_rank, pp_rank = model_parallel_ranks()
@@ -347,7 +350,7 @@ def _megatron_load(req: UpdateRequest, tp: int, pp: int, device: torch.device):
     restore_optimizer(
         opt,
         sched,
-        req.policy_dir,
+        policy_dir,
         load=lambda o, state: import_optimizer_state(o, model, state, arch, hf_names, tp=tp, pp=pp),
     )
     return hf_model, tok, arch, model, opt, sched, hf_names
@@ -383,5 +386,5 @@ def _megatron_update_grid(req: UpdateRequest, tp: int, pp: int, device: torch.de
     opt_state = export_optimizer_state(opt, model, arch, hf_names, tp=tp, pp=pp)
     if dist.get_rank() == 0:
         hf_model.load_state_dict(megatron_to_hf(shards, arch, tp=tp, pp=pp), strict=True)
-        write_checkpoint(req.out_dir, hf_model, tok, opt_state, sched.state_dict(), metrics, req.checkpoint_id)
+        write_checkpoint(req, hf_model, tok, opt_state, sched.state_dict(), metrics)
     return metrics

@@ -2,10 +2,13 @@
 
 verl keeps its worker groups alive for the whole run, and so does rlake: starting a trainer group
 or loading an engine costs seconds, so a role's actors are created once and found again by name
-(`rlake:<role>:<build>:<rank>`) by every later stage of the run. There is no module-level registry:
+(`rlake:<run>:<role>:<build>:<rank>`) by every later stage of the run. There is no module-level registry:
 Ray's named actors are the registry. They are detached (a named actor that is not would be
-garbage-collected as soon as the stage that built it drops its WorkerGroup) and killed when the
-driver process exits (`shutdown_worker_groups`, registered at exit once a group is built).
+garbage-collected as soon as the stage that built it drops its WorkerGroup). On the local default the
+driver process exit kills them (`shutdown_worker_groups`, registered at exit once a group is built; the
+local cluster goes with the process anyway). On a cluster (ray.address) they outlive the process, so a
+run's per-iteration processes (runs launched from the UI) find them in the run's namespace: the run's end
+removes them (`gc_run`), and `rlake gc --run-id R` does after a crash.
 
     group = worker_group(ActorWorker, "actor", num_workers=2, threads=1, process_group=True)
     metrics = group.call(ActorWorker.update, request)          # one result per rank
@@ -14,23 +17,34 @@ driver process exits (`shutdown_worker_groups`, registered at exit once a group 
 A worker class is a plain Python class deriving from `Worker` (state in attributes; unit tests use it
 without Ray); the group makes it a Ray actor. Fault handling: when a rank raises, the whole group is
 killed at once (a surviving rank would otherwise block in a collective) and the error raised; when an
-actor died (killed process, OOM), `call_with_retry` rebuilds the group and retries. Actors reserve no
-Ray CPUs: the stages run one at a time and each worker sets its own thread count. On a GPU run
-(trainer.n_gpus_per_node > 0) each rank requests its share of a GPU in the pool's placement group
-(stages/workers/placement.py), works on `self.device` (cuda:0, the GPU Ray assigned; the CPU without
-CUDA) and the process group is NCCL instead of gloo.
+actor died (killed process, OOM), `call_with_retry` rebuilds the group and retries.
+
+Placement (stages/workers/placement.py): a role named in ray.resources_per_worker gets one PACK placement
+group of num_workers bundles, rank i in bundle i, and torch threads = the bundle's CPUs. Other roles reserve
+no Ray CPUs (the stages run one at a time and each worker sets its own thread count). On a GPU run
+(trainer.n_gpus_per_node > 0) each rank of an unnamed role requests its share of a GPU in the pool's
+placement group, works on `self.device` (cuda:0, the GPU Ray assigned; the CPU without CUDA) and the
+process group is NCCL instead of gloo. The process group's rendezvous is a FileStore on the local default
+(a TCPStore listens on every interface) and a TCPStore on rank 0's node IP on a cluster.
+
+Connecting (ray.address, token auth, loopback binding, ray.runtime_env) is stages/workers/connect.py;
+`ensure_ray` is imported from here too.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
@@ -38,16 +52,32 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from stages.workers.connect import ensure_ray, settings
 from stages.workers.placement import (
     CPU_ONLY,
+    PG_PREFIX,
     GpuPool,
     actor_options,
     assigned_bundle,
+    bundle_threads,
     collective_backend,
     rank_placements,
-    remove_pool_placement_groups,
+    remove_placement_groups,
+    role_group_name,
+    role_placement_group,
     worker_device,
 )
+
+__all__ = [
+    "NAME_PREFIX",
+    "Worker",
+    "WorkerGroup",
+    "call_with_retry",
+    "ensure_ray",
+    "gc_run",
+    "worker_group",
+    "worker_placements",
+]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -69,7 +99,12 @@ class Worker:
         """What this rank got: Ray's assigned resources (GPU ids, placement-group bundle), its device and its
         process group's backend (None without one)."""
         bundle = assigned_bundle()
+        ctx = ray.get_runtime_context()
         return {
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "threads": self.threads,
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "resources": ray.get_runtime_context().get_assigned_resources(),
             "placement_group": bundle[0] if bundle else None,
@@ -84,14 +119,16 @@ class Worker:
         return self.shape_key
 
     def free_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now: rank 0's TCPStore address on a cluster."""
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def init_process_group(self, host: str, port: int) -> None:
+    def init_process_group(self, init_method: str) -> None:
+        """Join the group's gloo/NCCL process group at `init_method` (file://... or tcp://host:port)."""
         dist.init_process_group(
             collective_backend(self.device),
-            init_method=f"tcp://{host}:{port}",
+            init_method=init_method,
             rank=self.rank,
             world_size=self.world,
             timeout=timedelta(minutes=30),
@@ -153,11 +190,17 @@ def _named(prefix: str) -> list[str]:
     return [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
 
 
-def _find(role: str) -> list:
-    """The named actors of `role` (`rlake:<role>:<build>:<rank>`), rank order; an empty list when none.
-    Each build gets a fresh `<build>` nonce, so a rebuilt group never waits for a dead actor's name."""
-    names = _named(f"{NAME_PREFIX}{role}:")
-    builds = {n.split(":")[2] for n in names}
+def _role_prefix(role: str, run_id: str | None = None) -> str:
+    return f"{NAME_PREFIX}{run_id or settings().run_id}:{role}:"
+
+
+def _find(role: str, run_id: str | None = None) -> list:
+    """The named actors of `role` of run `run_id` (default: this process's run), `rlake:<run>:<role>:<build>:
+    <rank>`, in rank order; an empty list when none. Each build gets a fresh `<build>` nonce, so a rebuilt
+    group never waits for a dead actor's name."""
+    prefix = _role_prefix(role, run_id)
+    names = _named(prefix)
+    builds = {n[len(prefix) :].split(":")[0] for n in names}
     if len(builds) != 1:
         for n in names:  # leftovers of an interrupted rebuild: start clean
             _kill_named(n)
@@ -166,7 +209,7 @@ def _find(role: str) -> list:
     if ranks != list(range(len(ranks))):
         return []
     build = builds.pop()
-    return [ray.get_actor(f"{NAME_PREFIX}{role}:{build}:{r}") for r in ranks]
+    return [ray.get_actor(f"{prefix}{build}:{r}") for r in ranks]
 
 
 def _kill_named(name: str) -> None:
@@ -195,42 +238,70 @@ def worker_group(
 
     init_kwargs go to worker_cls(rank, world, threads, shape, **init_kwargs); with process_group the
     ranks join one gloo (NCCL on GPUs) group (rank i = actor i). gpus: the run's GPU pool
-    (GpuPool.of(cfg.trainer)); rank i requests its share of GPU i (stages.workers.placement)."""
-    placements = rank_placements(gpus, role, num_workers)
-    shape = repr(
-        (
-            worker_cls.__module__,
-            worker_cls.__qualname__,
-            num_workers,
-            threads,
-            process_group,
-            sorted(init_kwargs.items()),
-            gpus,
-        )
-    )
-    handles = _find(role)
-    if handles:
-        try:
-            if len(handles) == num_workers and ray.get([h.shape.remote() for h in handles]) == [shape] * num_workers:
-                return WorkerGroup(worker_cls, role, handles)
-        except (ActorDiedError, ActorUnavailableError, RayActorError):
-            pass
-        WorkerGroup(worker_cls, role, handles).kill()  # one group per role: a new shape replaces the old
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    (GpuPool.of(cfg.trainer)); rank i requests its share of GPU i (stages.workers.placement). A role named in
+    ray.resources_per_worker (recorded by ensure_ray) is placed in its own placement group instead, each rank
+    with the bundle's CPUs as `threads`."""
+    run = settings()
+    resources = run.resources_per_worker.get(role)
+    group_name = role_group_name(run.run_id, role)
+    placements = rank_placements(gpus, role, num_workers, resources=resources, group=group_name)
+    threads = bundle_threads(resources, threads) if resources else threads
+    shape = repr((worker_cls.__module__, worker_cls.__qualname__, num_workers, threads, process_group))
+    shape += repr((sorted(init_kwargs.items()), gpus, sorted((resources or {}).items())))
+    found = _existing(worker_cls, role, num_workers, shape)
+    if found is not None:
+        return found
+    if resources:
+        role_placement_group(group_name, [dict(p.resources) for p in placements])
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # merged into the job's env_vars
     remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
     build = uuid.uuid4().hex[:8]
     _kill_groups_at_exit()
+    prefix = _role_prefix(role)
     handles = [
-        remote.options(name=f"{NAME_PREFIX}{role}:{build}:{i}", lifetime="detached", **actor_options(p)).remote(
+        remote.options(name=f"{prefix}{build}:{i}", lifetime="detached", **actor_options(p)).remote(
             i, num_workers, threads, shape, **init_kwargs
         )
         for i, p in enumerate(placements)
     ]
     group = WorkerGroup(worker_cls, role, handles)
     if process_group and num_workers > 1:
-        host, port = ray.get(handles[0].free_address.remote())
-        group.call(Worker.init_process_group, host, port)
+        group.call(Worker.init_process_group, _rendezvous(handles[0], f"{role}-{build}"))
     return group
+
+
+def _existing(worker_cls: type, role: str, num_workers: int, shape: str) -> WorkerGroup | None:
+    """The run's live group of `role` when it has `shape`; else None, any other group of the role killed
+    (one group per role: a new shape replaces the old)."""
+    handles = _find(role)
+    if not handles:
+        return None
+    try:
+        if len(handles) == num_workers and ray.get([h.shape.remote() for h in handles]) == [shape] * num_workers:
+            return WorkerGroup(worker_cls, role, handles)
+    except (ActorDiedError, ActorUnavailableError, RayActorError):
+        pass
+    WorkerGroup(worker_cls, role, handles).kill()
+    return None
+
+
+def _rendezvous(rank0, key: str) -> str:
+    """The process group's init_method: a FileStore on the local default (all ranks on this machine, and no
+    socket opened: torch's TCPStore listens on every interface whatever host it is given), else a TCPStore
+    on rank 0's node IP and a port free there."""
+    if settings().local:
+        return f"file://{_store_dir() / key}"
+    host, port = ray.get(rank0.free_address.remote())
+    return f"tcp://{host}:{port}"
+
+
+@functools.cache
+def _store_dir() -> Path:
+    """This driver's directory of FileStore files, removed at its exit (a killed group never deletes its own
+    file: torch removes it only when every rank destroys its process group)."""
+    path = Path(tempfile.mkdtemp(prefix="rlake-pgstore-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerGroup], R], *, retries: int = 1) -> R:
@@ -254,37 +325,60 @@ def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerG
     raise AssertionError("unreachable")
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect this process to Ray once: the cluster at `address`, or a local one with num_cpus (None:
-    all) when address is None (ray.address / ray.num_cpus of the run config). A no-op when connected."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
-    # a local cluster is this process's own: its namespace may be fixed (detached worker actors in the
-    # anonymous namespace make the raylet print a warning); on a shared cluster each driver keeps its own
-    local = address in (None, "local")
-    ray.init(
-        address="local" if local else address,
-        num_cpus=num_cpus if local else None,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        namespace="rlake" if local else None,
-    )
-
-
 def shutdown_worker_groups() -> None:
-    """Kill every rlake worker of this Ray session (the driver exiting does the same) and remove the GPU
-    pool's placement groups."""
+    """Kill every rlake worker of this Ray namespace (the local cluster's, or this run's on a cluster) and
+    remove its rlake placement groups (the GPU pool's and the roles')."""
     if not ray.is_initialized():  # at exit after ray.shutdown(): a local cluster took its actors along
         return
     for name in _named(NAME_PREFIX):
         _kill_named(name)
-    remove_pool_placement_groups()
+    remove_placement_groups(PG_PREFIX, NAME_PREFIX)
+
+
+def worker_placements(run_id: str | None = None, *, timeout_s: float = 30.0) -> list[dict]:
+    """One row per live named worker of run `run_id` (default: this process's run): role, rank, actor name and
+    Worker.placement() (Ray node id and IP, pid, threads, device, resources, bundle), in role/rank order. A
+    worker that does not answer (its node died) is left out: the rows say where the run's work can go now."""
+    prefix = f"{NAME_PREFIX}{run_id or settings().run_id}:"
+    rows = []
+    for name in sorted(_named(prefix)):
+        role, _build, rank = name[len(prefix) :].rsplit(":", 2)
+        try:
+            where = ray.get(ray.get_actor(name).placement.remote(), timeout=timeout_s)
+        except (ValueError, ray.exceptions.RayError):
+            continue
+        where["resources"] = json.dumps(where.get("resources") or {}, sort_keys=True)
+        rows.append({"role": role, "rank": int(rank), "actor_name": name, **where})
+    return sorted(rows, key=lambda r: (r["role"], r["rank"]))
+
+
+def gc_run(run_id: str) -> dict[str, list[str]]:
+    """Kill run `run_id`'s named workers (`rlake:<run>:...`) and remove its placement groups: the roles'
+    (`rlake:<run>:<role>`) and, in the run's own namespace (a cluster), the GPU pool's. What the end of a run
+    and `rlake gc --run-id R` (after a crash) call. Returns {"actors": [...], "placement_groups": [...]}."""
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"gc_run({run_id!r}) needs a Ray connection: connect to the run's cluster first (ensure_ray with the "
+            "run's ray.address and run_id), because the run's workers live there."
+        )
+    prefix = f"{NAME_PREFIX}{run_id}:"
+    actors = _named(prefix)
+    for name in actors:
+        _kill_named(name)
+    own_namespace = ray.get_runtime_context().namespace.endswith(f":{run_id}")
+    groups = remove_placement_groups(*((prefix, PG_PREFIX) if own_namespace else (prefix,)))
+    return {"actors": actors, "placement_groups": groups}
+
+
+def _at_exit() -> None:
+    """At the driver's exit: on the local default, kill the workers (shutdown_worker_groups); on a cluster
+    keep them for the run's next process (gc_run at the run's end, `rlake gc` after a crash)."""
+    if settings().local:
+        shutdown_worker_groups()
 
 
 @functools.cache
 def _kill_groups_at_exit() -> None:
-    """Register shutdown_worker_groups at exit, once, after ray.init registered its own shutdown (exit
-    handlers run last-registered first, so the workers are killed while Ray is still connected)."""
-    atexit.register(shutdown_worker_groups)
+    """Register _at_exit once, after ray.init registered its own shutdown (exit handlers run
+    last-registered first, so the workers are killed while Ray is still connected)."""
+    atexit.register(_at_exit)

@@ -15,6 +15,16 @@ reference on each GPU:
   GPU i together (Ray's GPU count is bookkeeping; memory is shared by the engine's
   rollout.gpu_memory_utilization and vLLM's sleep mode, stages/models/engines/vllm_engine.py).
 
+Per role, `ray.resources_per_worker` (e.g. `{actor: {CPU: 4, GPU: 1}, rollout: {CPU: 2}}`) gives a role a
+placement group of its own: num_workers bundles of those resources, strategy PACK (as few nodes as fit, rank
+i = bundle i, so the trainer's rank order is the bundle order), detached and named `rlake:<run>:<role>`
+(`role_group_name`), made again when the role's bundles change and removed with the run's workers
+(stages/workers/group.py gc_run). Each rank requests its whole bundle and runs torch on the bundle's CPUs
+(`bundle_threads`). A role not named there requests nothing (num_cpus=0, anywhere: the local default).
+With both set, ray.resources_per_worker wins for the roles it names and the GPU pool places the other roles;
+on a GPU run (trainer.n_gpus_per_node > 0) a named role must request its own GPU, else it would silently
+leave the GPUs it was given, and that is refused (`rank_placements`).
+
 Inside a worker Ray sets CUDA_VISIBLE_DEVICES to its one GPU, so its device is cuda:0 (`worker_device`);
 without CUDA (a Ray cluster declaring fake GPUs, as the CPU tests do, or a CPU-only torch) it is the CPU
 whatever Ray assigned, and the process group is gloo instead of NCCL (`collective_backend`).
@@ -23,6 +33,7 @@ whatever Ray assigned, and the process group is gloo instead of NCCL (`collectiv
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +48,30 @@ GPU_SHARE = 1.0 / len(GPU_ROLES)
 """Ray GPUs each worker of a GPU run requests: a rank of every role fits on one GPU."""
 PG_PREFIX = "rlake-gpus:"
 PG_READY_TIMEOUT_S = 60.0
+RAY_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
+"""Resources that are actor options of their own; any other name goes to `resources`."""
+
+
+def role_group_name(run_id: str, role: str) -> str:
+    """Name of the placement group of a role named in ray.resources_per_worker."""
+    return f"rlake:{run_id}:{role}"
+
+
+def bundle_of(resources: Mapping[str, float]) -> dict[str, float]:
+    """One rank's bundle: the role's resources with zero counts left out (Ray refuses empty bundles)."""
+    bundle = {k: float(v) for k, v in resources.items() if v > 0}
+    if not bundle:
+        raise ValueError(
+            f"ray.resources_per_worker role resources {dict(resources)} count nothing, so the role's placement-group "
+            "bundles would be empty; give at least one resource a count > 0 (e.g. {CPU: 1}) or remove the role."
+        )
+    return bundle
+
+
+def bundle_threads(resources: Mapping[str, float], default: int) -> int:
+    """torch threads of a rank placed in a bundle of `resources`: its CPUs (at least 1); `default` without CPU."""
+    cpus = resources.get("CPU")
+    return default if not cpus else max(1, int(cpus))
 
 
 @dataclass(frozen=True)
@@ -71,15 +106,41 @@ class RankPlacement:
     """The GPU pool whose node `node` placement group holds the rank; None on CPU."""
     node: int = 0
     bundle_index: int = -1
+    resources: tuple[tuple[str, float], ...] = ()
+    """The rank's bundle in its role's own placement group (ray.resources_per_worker); () otherwise."""
+    group: str | None = None
+    """Name of the role's own placement group (role_group_name); None otherwise."""
 
     @property
     def placement_group(self) -> str | None:
-        """Name of the rank's placement group (GpuPool.node_group_name); None on CPU."""
+        """Name of the rank's placement group: its role's own, the GPU pool node's, or None."""
+        if self.group is not None:
+            return self.group
         return None if self.pool is None else self.pool.node_group_name(self.node)
 
 
-def rank_placements(pool: GpuPool, role: str, num_workers: int) -> list[RankPlacement]:
-    """The placement of each of `num_workers` ranks of `role` in `pool` (see the module docstring)."""
+def rank_placements(
+    pool: GpuPool,
+    role: str,
+    num_workers: int,
+    *,
+    resources: Mapping[str, float] | None = None,
+    group: str | None = None,
+) -> list[RankPlacement]:
+    """The placement of each of `num_workers` ranks of `role`: bundle i of the role's own placement group
+    `group` when ray.resources_per_worker names it (`resources`), else GPU i of `pool` (see the module docstring)."""
+    if resources:
+        if pool.size and not resources.get("GPU"):
+            raise ValueError(
+                f"ray.resources_per_worker.{role}={dict(resources)} requests no GPU, but trainer.n_gpus_per_node="
+                f"{pool.n_gpus_per_node} makes this a GPU run whose pool gives every '{role}' rank a GPU; a role named "
+                "in ray.resources_per_worker leaves the pool, so it would run on the CPU. Add GPU: 1 (or a share) to "
+                f"ray.resources_per_worker.{role}, or remove {role} from it to keep the role on the pool's GPUs."
+            )
+        bundle = tuple(sorted(bundle_of(resources).items()))
+        name = group or role_group_name("-", role)
+        gpus = dict(bundle).get("GPU", 0.0)
+        return [RankPlacement(gpus, None, 0, i, bundle, name) for i in range(num_workers)]
     if role not in GPU_ROLES and pool.size:
         raise ValueError(f"Unknown GPU role '{role}'. Valid: {list(GPU_ROLES)}")
     if not pool.size:
@@ -123,12 +184,54 @@ def node_placement_group(pool: GpuPool, node: int):
     return pg
 
 
+def role_placement_group(name: str, bundles: list[dict[str, float]]):
+    """The detached PACK placement group `name` with `bundles` (one per rank), found by name when it has exactly
+    those bundles, else (re)made and waited for; a cluster that cannot hold them is an error saying so."""
+    try:
+        pg = ray.util.get_placement_group(name)
+    except ValueError:  # none of that name yet
+        pg = None
+    if pg is not None:
+        table = ray.util.placement_group_table(pg)
+        have = [table["bundles"][i] for i in sorted(table["bundles"])]
+        if have == bundles and table["strategy"] == "PACK" and table["state"] != "REMOVED":
+            return pg
+        ray.util.remove_placement_group(pg)  # the role's size or resources changed: its workers are rebuilt
+    pg = ray.util.placement_group(bundles, strategy="PACK", name=name, lifetime="detached")
+    if not pg.wait(timeout_seconds=PG_READY_TIMEOUT_S):
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"placement group {name} ({len(bundles)} bundles of {bundles[0]}) was not placed within "
+            f"{PG_READY_TIMEOUT_S:g} s: the Ray cluster has {ray.available_resources()} free; lower that role's "
+            "num_workers or its ray.resources_per_worker, or add nodes with those resources."
+        )
+    return pg
+
+
+def _bundle_options(bundle: Mapping[str, float]) -> dict[str, Any]:
+    """Actor options requesting a whole bundle (CPU, GPU, memory as options; custom resources by name)."""
+    opts: dict[str, Any] = {"num_cpus": 0}
+    custom = {}
+    for key, count in bundle.items():
+        if key in RAY_KEYS:
+            opts[RAY_KEYS[key]] = count
+        else:
+            custom[key] = count
+    return {**opts, "resources": custom} if custom else opts
+
+
 def actor_options(placement: RankPlacement) -> dict[str, Any]:
-    """Ray actor .options() for a rank: num_gpus, and on GPUs its placement-group bundle."""
+    """Ray actor .options() for a rank: its own role's bundle (ray.resources_per_worker; the group exists, made
+    by role_placement_group), or on GPUs num_gpus and its GPU-pool bundle; {} on a CPU run."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 - placed runs only
+
+    if placement.group is not None:
+        strategy = PlacementGroupSchedulingStrategy(
+            ray.util.get_placement_group(placement.group), placement_group_bundle_index=placement.bundle_index
+        )
+        return {**_bundle_options(dict(placement.resources)), "scheduling_strategy": strategy}
     if placement.pool is None:
         return {}
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 - GPU runs only
-
     pg = node_placement_group(placement.pool, placement.node)
     return {
         "num_gpus": placement.num_gpus,
@@ -138,29 +241,36 @@ def actor_options(placement: RankPlacement) -> dict[str, Any]:
     }
 
 
-def remove_pool_placement_groups() -> list[str]:
-    """Remove every rlake GPU-pool placement group of the connected cluster; returns their names."""
+def remove_placement_groups(*prefixes: str) -> list[str]:
+    """Remove the placement groups of this namespace whose name starts with one of `prefixes` (the GPU pool's
+    PG_PREFIX, a run's `rlake:<run>:`); returns their names. Groups of other namespaces are left alone."""
+    names = {
+        info.get("name") or "" for info in ray.util.placement_group_table().values() if info.get("state") != "REMOVED"
+    }
     removed = []
-    for info in ray.util.placement_group_table().values():
-        name = info.get("name") or ""
-        if name.startswith(PG_PREFIX) and info.get("state") != "REMOVED":
-            try:
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
-                removed.append(name)
-            except ValueError:  # removed meanwhile
-                pass
+    for name in sorted(n for n in names if n and n.startswith(prefixes)):
+        try:
+            ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            removed.append(name)
+        except Exception:  # another namespace's group of that name, or removed meanwhile
+            pass
     return removed
 
 
-_BUNDLE_GPU = re.compile(r"GPU_group_(\d+)_([0-9a-f]+)")
-"""Ray's name of the GPU of bundle i of placement group <id> in a worker's resource assignment."""
+def remove_pool_placement_groups() -> list[str]:
+    """Remove every rlake GPU-pool placement group of this namespace; returns their names."""
+    return remove_placement_groups(PG_PREFIX)
+
+
+_BUNDLE = re.compile(r"bundle_group_(\d+)_([0-9a-f]+)")
+"""Ray's name of bundle i of placement group <id> in a worker's resource assignment (any bundle, GPU or not)."""
 
 
 def assigned_bundle() -> tuple[str, int] | None:
-    """(placement group id, bundle index) of this Ray actor's GPU, read from the resources Ray assigned it
-    (`GPU_group_<index>_<pg id>`, the names Ray's get_assigned_resources folds away); None outside a bundle."""
+    """(placement group id, bundle index) of this Ray actor's bundle, read from the resources Ray assigned it
+    (`bundle_group_<index>_<pg id>`, the names Ray's get_assigned_resources folds away); None outside a bundle."""
     ids = ray.get_runtime_context().worker.core_worker.resource_ids()
-    found = [m for m in map(_BUNDLE_GPU.fullmatch, ids) if m]
+    found = [m for m in map(_BUNDLE.fullmatch, ids) if m]
     return (found[0].group(2), int(found[0].group(1))) if found else None
 
 

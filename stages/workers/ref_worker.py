@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from stages.algos.losses import gather_logprobs
+from stages.io.checkpoints import resolve_model_dir
 from stages.models.policy import load_policy
 from stages.train.batching import pad_rollouts, response_logits, to_device
 from stages.workers.group import Worker
@@ -35,7 +36,7 @@ class RefWorker(Worker):
         param_dtype: str = "float32",
     ) -> None:
         super().__init__(rank, world, threads, shape)
-        self.model, tok = load_policy(model_dir)
+        self.model, tok = load_policy(resolve_model_dir(model_dir))  # a checkpoint reference: fetched to this node
         self.model.to(self.device).eval()
         self.pad_id = tok.pad_token_id
         self.micro_batch_size = micro_batch_size

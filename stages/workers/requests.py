@@ -1,6 +1,7 @@
 """What the stages send to the workers: frozen dataclasses, built in the driver, pickled to every rank.
 
-A request names its inputs by storage location (a Delta table at a version, a checkpoint directory),
+A request names its inputs by storage location (a Delta table at a version, a committed checkpoint by its
+reference or, in tests and exports, a local directory),
 never by a live object, so a replay or a retried call reads exactly what the first attempt read.
 `stages.update.update_request` is the one place an UpdateRequest is built from the run config (the
 policy_checkpoint asset and `rlake replay` both use it); `stages.critic_update.critic_update_request`
@@ -26,9 +27,11 @@ class UpdateRequest:
     advantages_uri: str
     advantages_version: int
     policy_dir: str
-    """The input checkpoint: policy version `iteration` (HF format, optimizer state beside it from v1 on)."""
+    """The input checkpoint, policy version `iteration` (HF format, optimizer state beside it from v1 on): a
+    checkpoint reference (ModelStore.require) or a local directory (stages.io.checkpoints.resolve_model_dir)."""
     out_dir: str
-    """Where rank 0 writes the new checkpoint (policy version iteration + 1), atomically."""
+    """Where rank 0 writes policy version iteration + 1: a checkpoint_target (committed to the run's store) or a
+    local directory (written atomically; stages.io.checkpoints.writing)."""
     actor: ActorConfig
     n_per_prompt: int
     """rollout.n: a mini-batch of actor.ppo_mini_batch_size prompts holds this many rollouts per prompt."""
@@ -44,6 +47,8 @@ class UpdateRequest:
     """The run's GPU pool (GpuPool.of(cfg.trainer)): rank i trains on GPU i; the default is a CPU run."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """algorithm.rollout_correction: engine-vs-trainer importance weights / rejection in the policy loss (off)."""
+    extra_files: tuple[tuple[str, str], ...] = ()
+    """(name, text) files committed with the new checkpoint (its trainer_state.json, stages.run.resume)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class CriticUpdateRequest:
 
     iteration: int
     critic_dir: str
+    """Critic version `iteration`: a checkpoint reference or a local directory."""
     out_dir: str
+    """Where critic version iteration + 1 goes: a checkpoint_target or a local directory (as UpdateRequest's)."""
     critic: CriticConfig
     n_per_prompt: int
     seed: int

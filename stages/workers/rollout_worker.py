@@ -11,6 +11,10 @@ with sleep mode, so after each generate call it sleeps (level 1: KV cache freed,
 host memory) and wakes before the next sync, leaving the GPU to the old-log-prob and update stages. The
 weights still reach the engine from the checkpoint on disk (the fallback path verl keeps too); the HF
 engine runs on the worker's device. On the CPU nothing of this applies.
+
+The model_dir a worker is handed is a checkpoint reference (stages.io.checkpoints.checkpoint_ref: a committed
+checkpoint in storage, fetched into this node's cache) or a local directory; the engine's identity is the
+checkpoint id, so a cached copy on any node is the same engine state.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 import pandas as pd
 
 from stages import seeds
-from stages.io.checkpoints import checkpoint_identity
+from stages.io.checkpoints import checkpoint_identity, resolve_model_dir
 from stages.models.engines import RolloutEngine, SamplingSpec, build_engine, resolve_engine_name
 from stages.models.policy import load_tokenizer
 from stages.tools import load_tools, run_agent_loop
@@ -53,7 +57,8 @@ class RolloutWorker(Worker):
         self.micro_batch_size = micro_batch_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.engine: RolloutEngine | None = None
-        self.loaded: tuple[str, str, str] | None = None
+        self.loaded: tuple[str, str] | None = None
+        """(checkpoint identity, config.json text) of what the engine holds (checkpoint_identity)."""
         self.last_sync, self.last_sync_s = "none", 0.0
         self.tokenizer = None  # (checkpoint identity, tokenizer): multi-turn rollouts encode observations
         self.tools = None  # (tool_config_path, name -> Tool): multi-turn rollouts
@@ -63,10 +68,11 @@ class RolloutWorker(Worker):
         changed (vLLM: reload_weights + prefix-cache reset), "build" when the architecture changed or no
         engine exists yet. Returns (and records in last_sync) which one happened."""
         t0 = time.perf_counter()
+        model_dir = str(resolve_model_dir(model_dir))  # a checkpoint reference: this node's cached copy
         ident = checkpoint_identity(model_dir)
         if self.engine is not None and ident == self.loaded:
             self.last_sync = "cached"
-        elif self.engine is not None and self.loaded is not None and ident[2] == self.loaded[2]:
+        elif self.engine is not None and self.loaded is not None and ident[1] == self.loaded[1]:
             self.engine.load_checkpoint(model_dir)
             self.last_sync = "in_place"
         else:
@@ -135,7 +141,7 @@ class RolloutWorker(Worker):
 
     def _multi_turn_rows(self, model_dir: str, batch: pd.DataFrame, prompts, spec, multi_turn, use_ray) -> list[dict]:
         if self.tokenizer is None or self.tokenizer[0] != self.loaded:
-            self.tokenizer = (self.loaded, load_tokenizer(model_dir))
+            self.tokenizer = (self.loaded, load_tokenizer(resolve_model_dir(model_dir)))
         if self.tools is None or self.tools[0] != multi_turn.tool_config_path:
             self.tools = (multi_turn.tool_config_path, load_tools(multi_turn.tool_config_path))
         tok = self.tokenizer[1]

@@ -46,6 +46,9 @@ def pg_home(postgres_server, tmp_path: Path, request) -> tuple[Path, dict[str, s
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONPATH": str(ROOT),
     }
+    with pytest.MonkeyPatch.context() as mp:  # create the schema once, as `dagster instance migrate` does
+        mp.setenv(URL_VAR, url)
+        dg.DagsterInstance.from_config(str(home)).dispose()
     return home, env
 
 
@@ -154,23 +157,27 @@ DRIVER = """
 """
 
 
-def _spawn_driver(kind: str, env: dict[str, str]) -> subprocess.Popen:
+def _spawn_driver(kind: str, env: dict[str, str], logs: Path) -> subprocess.Popen:
     """A process executing a Dagster run in-process (as `rlake train` does) that blocks in its one step."""
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), kind],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    with open(logs / f"{kind}.log", "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(DRIVER), kind],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
 
 
-def _wait_started(kind: str, proc: subprocess.Popen) -> tuple[subprocess.Popen, str]:
+def _wait_started(kind: str, proc: subprocess.Popen, logs: Path) -> tuple[subprocess.Popen, str]:
     """(the driver, its Dagster run id) once the run's step runs, i.e. the run is STARTED in Postgres."""
     line = proc.stdout.readline()
-    assert line, f"driver {kind} exited with {proc.wait()} before its run started"
+    assert line, (
+        f"driver {kind} exited with {proc.wait()} before its run started:\n"
+        + ((logs / f"{kind}.log").read_text()[-3000:])
+    )
     info = json.loads(line)
     assert info["pid"] == proc.pid
     return proc, info["run"]
@@ -187,12 +194,12 @@ def _status(instance: dg.DagsterInstance, run_id: str) -> str:
     return instance.get_run_by_id(run_id).status.value
 
 
-def test_stale_run_detection_fails_only_runs_whose_driver_is_gone(pg_home, monkeypatch) -> None:
+def test_stale_run_detection_fails_only_runs_whose_driver_is_gone(pg_home, monkeypatch, tmp_path: Path) -> None:
     home, env = pg_home
     monkeypatch.setenv(URL_VAR, env[URL_VAR])
     kinds = ("killed", "alive", "reused", "remote", "launched")
-    procs = {kind: _spawn_driver(kind, env) for kind in kinds}  # started together: their imports overlap
-    drivers = {kind: _wait_started(kind, proc) for kind, proc in procs.items()}
+    procs = {kind: _spawn_driver(kind, env, tmp_path) for kind in kinds}  # started together: imports overlap
+    drivers = {kind: _wait_started(kind, proc, tmp_path) for kind, proc in procs.items()}
     try:
         for kind in ("killed", "remote", "launched"):
             _kill(drivers[kind][0])  # SIGKILL: the process cannot mark its run; it stays STARTED
@@ -231,7 +238,12 @@ def test_dagster_home_refuses_a_password_in_the_file_and_a_driverless_postgres_d
     no_scheme = "storage:\n  postgres:\n    postgres_db:\n      username: rlake\n      password: {env: PW}\n"
     with pytest.raises(ValueError, match=r"add `scheme: postgresql\+psycopg2`"):
         check_instance_yaml(conf, no_scheme)
-    check_instance_yaml(conf, HOME_YAML)  # the documented form
+    with pytest.MonkeyPatch.context() as mp:  # the URL in the environment is checked for its driver too
+        mp.setenv(URL_VAR, "postgresql://rlake@db:5432/dagster")
+        with pytest.raises(ValueError, match=rf"the URL in \${URL_VAR}\) names no driver"):
+            check_instance_yaml(conf, HOME_YAML)
+        mp.setenv(URL_VAR, "postgresql+psycopg2://rlake:secret@db:5432/dagster")  # a password in the env is fine
+        check_instance_yaml(conf, HOME_YAML)  # the documented form
     check_instance_yaml(conf, no_scheme + "      scheme: postgresql+psycopg2\n")
     check_instance_yaml(conf, "storage:\n  postgres:\n    postgres_url: postgresql+psycopg2://rlake@db/dagster\n")
     # through dagster_home, as `rlake train` / `rlake ui` call it: refused before Dagster connects

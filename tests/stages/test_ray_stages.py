@@ -15,8 +15,8 @@ from stages.models.policy import encode_chat, load_policy
 from stages.rollout import generate_rollouts
 from stages.train.actor import ppo_update
 from stages.train.optim import make_optimizer
-from stages.update import METRICS_FILE, run_update
-from stages.workers.actor_worker import shard_for_rank
+from stages.update import run_update
+from stages.workers.actor_worker import METRICS_FILE, shard_for_rank
 from stages.workers.requests import UpdateRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,6 +76,8 @@ def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp
         seed=0,
     )
     metrics = run_update(req)
+    # the metrics return through Ray; the file beside the checkpoint is a record of the same numbers
+    assert metrics["actor/num_rollouts"] == 16.0
     assert json.loads((tmp_path / "v1" / METRICS_FILE).read_text())["actor/num_rollouts"] == 16.0
     assert (tmp_path / "v1" / "optimizer.pt").is_file() and metrics["timing_s/update"] > 0
     ddp, _ = load_policy(tmp_path / "v1")
