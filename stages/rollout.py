@@ -14,14 +14,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
+import ray
 
 from configs.schema import RolloutConfig, RunConfig
 from stages import seeds
 from stages.filter_groups import generate_until_full
+from stages.io.checkpoints import checkpoint_id, ref_checkpoint_id
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
 from stages.tools import resolve_tool_config
-from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, existing_workers, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
@@ -78,6 +80,18 @@ def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
     )
 
 
+def published_weights(model_dir: str) -> list:
+    """[ref] of checkpoint model_dir's weights in Ray's object store when the run's trainer rank 0 published them
+    (rollout.weight_sync=object_store, stages.workers.actor_worker.ActorWorker.publish), else [] (no actor group
+    alive in this run yet -- version 0, a resumed or re-materialized run -- or another version): the engines then
+    load the committed checkpoint."""
+    want = ref_checkpoint_id(model_dir) or checkpoint_id(model_dir)
+    actors = existing_workers("actor")
+    if want is None or not actors:
+        return []
+    return ray.get(actors[0].published_weights.remote(want))
+
+
 def generate_rollouts(
     prompt_batch: pd.DataFrame,
     *,
@@ -102,9 +116,12 @@ def generate_rollouts(
     mt = resolved_multi_turn(rollout_cfg)
     if use_ray:
         shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
+        weights = published_weights(model_dir) if rollout_cfg.weight_sync == "object_store" else []
         parts = call_with_retry(
             lambda: rollout_group(rollout_cfg, gpus),
-            lambda g: g.call_each(RolloutWorker.generate, [(model_dir, shard, spec, mt, True) for shard in shards]),
+            lambda g: g.call_each(
+                RolloutWorker.generate, [(model_dir, shard, spec, mt, True, weights) for shard in shards]
+            ),
         )
         out = pd.concat(parts, ignore_index=True)
     elif local_worker is not None:

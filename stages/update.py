@@ -50,6 +50,7 @@ def update_request(
         checkpoint_id=f"{cfg.run_id}/{iteration}/{time.time_ns()}",
         gpus=GpuPool.of(cfg.trainer),
         rollout_correction=cfg.algorithm.rollout_correction,
+        weight_sync=cfg.rollout.weight_sync,
         extra_files=tuple(sorted((extra_files or {}).items())),
     )
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import ray
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -214,6 +215,24 @@ class ActorWorker(Worker):
         super().__init__(rank, world, threads, shape)
         self.strategy = strategy
         self.resident: ResidentPolicy | None = None
+        self.published: tuple[str, ray.ObjectRef] | None = None
+        """(checkpoint id, ref of its state dict in Ray's object store): rank 0's newest policy, for the engines."""
+
+    def publish(self, req: UpdateRequest, model) -> None:
+        """rollout.weight_sync=object_store: put the new policy's weights (CPU tensors, HF names) in Ray's object
+        store once, replacing the previous version's; every rollout engine then gets them from there, on any node,
+        without a file (ActorWorker.published_weights). The committed checkpoint stays the durable copy."""
+        self.published = None
+        if req.weight_sync == "object_store":
+            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            self.published = (req.checkpoint_id, ray.put(state))
+
+    def published_weights(self, checkpoint_id: str) -> list:
+        """[ref] of checkpoint `checkpoint_id`'s weights when this rank published them, else [] (the engines then
+        load the committed checkpoint). A list, so Ray hands the ref over instead of resolving it."""
+        if self.published is not None and self.published[0] == checkpoint_id:
+            return [self.published[1]]
+        return []
 
     def compute_log_prob(
         self, policy_dir: str, rows: pd.DataFrame, actor: ActorConfig, temperature: float
@@ -288,6 +307,7 @@ class ActorWorker(Worker):
             write_checkpoint(
                 req, model, res.tokenizer, opt_state or res.optimizer.state_dict(), res.scheduler.state_dict(), metrics
             )
+            self.publish(req, model)
         if self.world > 1:
             dist.barrier()  # every rank sees the checkpoint before keeping its state resident
         res.ckpt_dir, res.ckpt_id = req.out_dir, req.checkpoint_id

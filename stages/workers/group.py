@@ -74,6 +74,7 @@ __all__ = [
     "WorkerGroup",
     "call_with_retry",
     "ensure_ray",
+    "existing_workers",
     "gc_run",
     "worker_group",
     "worker_placements",
@@ -210,6 +211,11 @@ def _find(role: str, run_id: str | None = None) -> list:
         return []
     build = builds.pop()
     return [ray.get_actor(f"{prefix}{build}:{r}") for r in ranks]
+
+
+def existing_workers(role: str) -> list:
+    """The live actors of `role` of this process's run, in rank order, without building any ([] when none)."""
+    return _find(role) if ray.is_initialized() else []
 
 
 def _kill_named(name: str) -> None:

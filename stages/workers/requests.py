@@ -47,6 +47,9 @@ class UpdateRequest:
     """The run's GPU pool (GpuPool.of(cfg.trainer)): rank i trains on GPU i; the default is a CPU run."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """algorithm.rollout_correction: engine-vs-trainer importance weights / rejection in the policy loss (off)."""
+    weight_sync: str = "storage"
+    """rollout.weight_sync: "object_store" has rank 0 also put the new weights in Ray's object store
+    (ActorWorker.published_weights), where the rollout engines take them without a file."""
     extra_files: tuple[tuple[str, str], ...] = ()
     """(name, text) files committed with the new checkpoint (its trainer_state.json, stages.run.resume)."""
 

@@ -20,11 +20,13 @@ checkpoint id, so a cached copy on any node is the same engine state.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pandas as pd
+import ray
 
 from stages import seeds
-from stages.io.checkpoints import checkpoint_identity, resolve_model_dir
+from stages.io.checkpoints import checkpoint_id, checkpoint_identity, ref_checkpoint_id, resolve_model_dir
 from stages.models.engines import RolloutEngine, SamplingSpec, build_engine, resolve_engine_name
 from stages.models.policy import load_tokenizer
 from stages.tools import load_tools, run_agent_loop
@@ -63,11 +65,15 @@ class RolloutWorker(Worker):
         self.tokenizer = None  # (checkpoint identity, tokenizer): multi-turn rollouts encode observations
         self.tools = None  # (tool_config_path, name -> Tool): multi-turn rollouts
 
-    def sync(self, model_dir: str) -> str:
-        """Make the engine hold model_dir: "cached" when it already does, "in_place" when only the weights
-        changed (vLLM: reload_weights + prefix-cache reset), "build" when the architecture changed or no
-        engine exists yet. Returns (and records in last_sync) which one happened."""
+    def sync(self, model_dir: str, weights: Sequence = ()) -> str:
+        """Make the engine hold model_dir: "cached" when it already does, "object_store" when its weights came
+        from Ray's object store (`weights`: [ref] published by the trainer, rollout.weight_sync=object_store; the
+        HF engine), "in_place" when only the weights changed (vLLM: reload_weights + prefix-cache reset), "build"
+        when the architecture changed or no engine exists yet. Returns (and records in last_sync) which one."""
         t0 = time.perf_counter()
+        if weights and self._sync_from_object_store(model_dir, weights[0]):
+            self.last_sync_s = time.perf_counter() - t0
+            return self.last_sync
         model_dir = str(resolve_model_dir(model_dir))  # a checkpoint reference: this node's cached copy
         ident = checkpoint_identity(model_dir)
         if self.engine is not None and ident == self.loaded:
@@ -82,6 +88,20 @@ class RolloutWorker(Worker):
         self.loaded, self.last_sync_s = ident, time.perf_counter() - t0
         return self.last_sync
 
+    def _sync_from_object_store(self, model_dir: str, ref) -> bool:
+        """Take checkpoint model_dir's weights from Ray's object store, reading no file, when the engine already
+        holds this model (same architecture: a run's policy versions share it) and takes a state dict; False
+        otherwise (the caller loads the committed checkpoint)."""
+        want = ref_checkpoint_id(model_dir) or checkpoint_id(model_dir)
+        if want is None or self.engine is None or self.loaded is None or not hasattr(self.engine, "load_state"):
+            return False
+        if want == self.loaded[0]:
+            self.last_sync = "cached"
+            return True
+        self.engine.load_state(ray.get(ref), source=f"checkpoint {want} from Ray's object store")
+        self.loaded, self.last_sync = (want, self.loaded[1]), "object_store"
+        return True
+
     def engine_kwargs(self) -> dict:
         """build_engine's keyword arguments on this worker's device: vLLM on CUDA gets its memory share and sleep
         mode, HF its device; on the CPU both get what they always did."""
@@ -94,7 +114,13 @@ class RolloutWorker(Worker):
         return kwargs
 
     def generate(
-        self, model_dir: str, batch: pd.DataFrame, sampling: SamplingSpec, multi_turn=None, use_ray: bool = False
+        self,
+        model_dir: str,
+        batch: pd.DataFrame,
+        sampling: SamplingSpec,
+        multi_turn=None,
+        use_ray: bool = False,
+        weights: Sequence = (),
     ) -> pd.DataFrame:
         """Sync to model_dir, then one row per (prompt row, sample) with token ids, logprobs, finish reason,
         timings, how the engine was synced and the fingerprint of the weights it generated with
@@ -107,7 +133,7 @@ class RolloutWorker(Worker):
         use_ray."""
         if self.engine is not None:
             self.engine.wake_up()  # a no-op unless it sleeps between generations (vLLM on a shared GPU)
-        self.sync(model_dir)
+        self.sync(model_dir, weights)
         t0 = time.perf_counter()
         seed = None if sampling.seed is None else seeds.engine_shard(sampling.seed, int(batch["prompt_id"].min()))
         spec = SamplingSpec(**{**sampling.__dict__, "seed": seed})
@@ -115,22 +141,7 @@ class RolloutWorker(Worker):
         if multi_turn is not None and multi_turn.enable:
             rows = self._multi_turn_rows(model_dir, batch, prompts, spec, multi_turn, use_ray)
         else:
-            outs = self.engine.generate(prompts, spec)
-            rows = self._rows(
-                batch,
-                [
-                    [
-                        {
-                            "response_token_ids": g.token_ids,
-                            "rollout_logprobs": g.logprobs,
-                            "response_text": g.text,
-                            "finish_reason": g.finish_reason,
-                        }
-                        for g in gens
-                    ]
-                    for gens in outs
-                ],
-            )
+            rows = self._single_turn_rows(batch, prompts, spec)
         out = pd.DataFrame(rows)
         out["generate_s"] = time.perf_counter() - t0
         out["engine_sync"] = self.last_sync
@@ -138,6 +149,22 @@ class RolloutWorker(Worker):
         out["engine_weights_fingerprint"] = self.engine.weights_fingerprint()
         self.engine.sleep()  # frees the shared GPU for the trainer (a no-op without sleep mode)
         return out
+
+    def _single_turn_rows(self, batch: pd.DataFrame, prompts: list[list[int]], spec: SamplingSpec) -> list[dict]:
+        outs = self.engine.generate(prompts, spec)
+        samples = [
+            [
+                {
+                    "response_token_ids": g.token_ids,
+                    "rollout_logprobs": g.logprobs,
+                    "response_text": g.text,
+                    "finish_reason": g.finish_reason,
+                }
+                for g in gens
+            ]
+            for gens in outs
+        ]
+        return self._rows(batch, samples)
 
     def _multi_turn_rows(self, model_dir: str, batch: pd.DataFrame, prompts, spec, multi_turn, use_ray) -> list[dict]:
         if self.tokenizer is None or self.tokenizer[0] != self.loaded:

@@ -146,6 +146,14 @@ def test_trainer_and_rollout_ran_on_their_own_nodes(env, trained):
     assert rollout == {env.cluster.node("b").node_id}, placed
 
 
+def test_new_weights_reach_the_engine_through_the_object_store(env, trained):
+    """Version 1 came from the trainer on node a to the engine on node b through Ray's object store; version 0
+    (written by the set-up, no trainer yet) through the bucket and node b's cache."""
+    rollouts = env.table("rollouts").to_pandas(partitions=[("run_id", "=", RUN_ID)])
+    assert set(rollouts[rollouts.iteration == 0].engine_sync) == {"build"}
+    assert set(rollouts[rollouts.iteration == 1].engine_sync) == {"object_store"}
+
+
 def test_no_node_keeps_anything_but_its_cache(env, trained):
     for name in ("a", "b"):
         files = env.cluster.node(name).local_files("/tmp")

@@ -94,3 +94,42 @@ def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp
         for a, b in zip(ddp.state_dict().values(), load_policy(tiny_checkpoint)[0].state_dict().values())
     )
     assert changed == len(ddp.state_dict())
+
+
+@pytest.mark.parametrize("weight_sync", ["object_store", "storage"])
+def test_new_weights_reach_the_engines_through_the_object_store(
+    ray_session, tiny_checkpoint, tmp_path, weight_sync
+) -> None:
+    """rollout.weight_sync=object_store: the trainer's rank 0 puts version 1 in Ray's object store and the rollout
+    engine takes it from there, reading no weight file (they are deleted first); `storage` loads the checkpoint."""
+    import pandas as pd
+
+    from stages.models.fingerprint import fingerprint_checkpoint
+
+    df = make_rows(16)
+    uri = str(tmp_path / "advantages")
+    version = store.write_partition(uri, "advantages", df, run_id="r", iteration=0, lineage={"stage": "test"})
+    actor = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=8, num_workers=1, optim=OptimConfig(lr=1e-2))
+    v1 = tmp_path / "v1"
+    req = UpdateRequest(
+        run_id="r", iteration=0, advantages_uri=uri, advantages_version=version, policy_dir=str(tiny_checkpoint),
+        out_dir=str(v1), actor=actor, n_per_prompt=4, seed=0, weight_sync=weight_sync,
+    )  # fmt: skip
+    _, tok = load_policy(tiny_checkpoint)
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"{i}+1="}])[0] for i in range(2)]
+    batch = pd.DataFrame(
+        {"prompt_id": range(2), "prompt_token_ids": prompts, "group_id": range(2), "policy_version": 0}
+    )
+    cfg = RolloutConfig(name="hf", n=2, num_workers=1, weight_sync=weight_sync)
+    first = generate_rollouts(batch, model_dir=str(tiny_checkpoint), rollout_cfg=cfg, max_tokens=3, seed=0)
+    assert set(first["engine_sync"]) <= {"build", "cached", "in_place"}  # version 0 is not the trainer's
+    run_update(req)
+    want = fingerprint_checkpoint(v1)
+    assert want != fingerprint_checkpoint(tiny_checkpoint)
+    if weight_sync == "object_store":
+        for f in v1.glob("*.safetensors"):
+            f.unlink()
+    out = generate_rollouts(batch, model_dir=str(v1), rollout_cfg=cfg, max_tokens=3, seed=0)
+    expected = "object_store" if weight_sync == "object_store" else "in_place"
+    assert set(out["engine_sync"]) == {expected}
+    assert set(out["engine_weights_fingerprint"]) == {want}

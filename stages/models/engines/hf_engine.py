@@ -43,11 +43,15 @@ class HFEngine(RolloutEngine):
         state = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))
+        self.load_state(state, source=f"checkpoint {model_dir}")
+
+    def load_state(self, state: dict, *, source: str = "the published weights") -> None:
+        """New weights in place from a state dict (HF names; CPU tensors, e.g. from Ray's object store)."""
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
             raise ValueError(
-                f"checkpoint {model_dir} does not match the engine's model: "
+                f"{source} does not match the engine's model: "
                 f"missing={sorted(set(missing) - tied)} unexpected={sorted(unexpected)}"
             )
         self._fingerprint = fingerprint_state(self.model.named_parameters())
