@@ -425,3 +425,22 @@ def test_export_writes_a_plain_hf_dir_that_transformers_loads(tmp_path, capsys, 
     assert tok("1+2=")["input_ids"] == AutoTokenizer.from_pretrained(tiny_checkpoint)("1+2=")["input_ids"]
     rc = main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])
     assert rc == 2 and "exists and is not empty" in capsys.readouterr().err
+
+
+def test_cluster_without_token_auth_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    _fails_early(tmp_path, capsys, "ray.address=10.1.2.3:6379", match=["RAY_AUTH_MODE", "token", "ray.address=local"])
+
+
+def test_credentials_in_storage_options_are_refused(tmp_path, capsys) -> None:
+    _fails_early(
+        tmp_path,
+        capsys,
+        "storage.root=s3://bucket/rlake",
+        "storage.options={AWS_SECRET_ACCESS_KEY: hunter2}",
+        match=["storage.options", "AWS_SECRET_ACCESS_KEY", "environment"],
+    )
+
+
+def test_a_storage_root_that_is_not_a_uri_is_refused(tmp_path, capsys) -> None:
+    _fails_early(tmp_path, capsys, "storage.root=bucket/rlake", match=["storage.root", "s3://", "file://"])

@@ -25,6 +25,7 @@ from stages.prompts import build_prompt_rows
 from stages.reward import load_custom_reward, probe_custom_reward
 from stages.reward_model import check_reward_model_dir
 from stages.run.resume import check_causal_lm_dir
+from stages.workers.connect import check_cluster_auth
 
 
 def preflight_tokenizer(model_cfg):
@@ -39,6 +40,7 @@ def preflight_tokenizer(model_cfg):
 
 def preflight(cfg: RunConfig) -> dict:
     """Validate data and model input of RunConfig `cfg`; returns counts (rows, train, longest prompt)."""
+    check_cluster_auth(cfg.ray.address)  # a cluster without token auth fails here, before Dagster or Ray start
     if cfg.reward.reward_model.enable:  # a checkpoint without a one-label classification head fails here
         check_reward_model_dir(cfg.reward.reward_model.model_path)
     if cfg.reward.judge.enable:  # the judge generates: a causal-LM checkpoint with a tokenizer
