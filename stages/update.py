@@ -64,12 +64,20 @@ def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None, gpu
     """The run's "actor" group for actor.num_workers and actor.strategy: the update's and, before it, the
     old_logprobs stage's (stages/old_logprobs.py), so both find the same processes and resident policy (both
     must pass the same gpus, the run's GPU pool, or the group is rebuilt).
-    threads_per_worker None: the ranks share the cluster's CPUs (1 rank on 2 cores gets 2, 2 ranks 1 each)."""
+    threads_per_worker None: the ranks share one node's CPUs (1 rank on 2 cores gets 2, 2 ranks 1 each); on a
+    cluster the smallest node's, since unplaced ranks may all land on one node (a role named in
+    ray.resources_per_worker gets its bundle's CPUs instead, stages/workers/group.py)."""
     n = actor.num_workers
-    threads = threads_per_worker or max(1, int(ray.cluster_resources().get("CPU", 1)) // n)
+    threads = threads_per_worker or max(1, node_cpus() // n)
     return worker_group(
         ActorWorker, "actor", n, threads=threads, process_group=True, gpus=gpus, strategy=actor.strategy
     )
+
+
+def node_cpus() -> int:
+    """CPUs of the smallest alive Ray node that has any (the whole machine on the local default)."""
+    cpus = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    return min((c for c in cpus if c > 0), default=1)
 
 
 def run_update(req: UpdateRequest) -> dict[str, float]:
