@@ -10,10 +10,12 @@ for values near 0), to absorb a different thread count or BLAS build.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 import torch
 from safetensors.torch import load_file
 
@@ -22,7 +24,7 @@ from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
 from stages.update import run_update, update_request
-from stages.workers.group import ensure_ray
+from stages.workers.group import ensure_ray, existing_workers
 
 REPLAY_RTOL = 1e-4
 REPLAY_ATOL = 1e-7
@@ -110,12 +112,15 @@ def _state(path: Path) -> dict:
     return out
 
 
-def compare_weights(replayed: Path, stored: Path) -> tuple[float, float]:
-    """(max abs difference, max relative difference = abs diff / max |stored| per tensor) over every tensor."""
-    a, b = _state(replayed), _state(stored)
-    if set(a) != set(b):
+def compare_weights(replayed: Path | dict, stored: Path) -> tuple[float, float]:
+    """(max abs difference, max relative difference = abs diff / max |stored| per tensor) over every tensor of the
+    stored checkpoint. replayed: a checkpoint directory, or a state dict (HF names; it may also hold the tied
+    lm_head a saved checkpoint leaves out)."""
+    a, b = (replayed if isinstance(replayed, dict) else _state(replayed)), _state(stored)
+    extra = set(a) - set(b) - ({"lm_head.weight"} if isinstance(replayed, dict) else set())
+    if set(b) - set(a) or extra:
         raise ValueError(
-            f"replayed checkpoint {replayed} and stored {stored} hold different tensors: {sorted(set(a) ^ set(b))[:5]}"
+            f"replayed weights and stored {stored} hold different tensors: {sorted((set(b) - set(a)) | extra)[:5]}"
         )
     max_abs = max_rel = 0.0
     for k, t in b.items():
@@ -154,6 +159,9 @@ def replay_update(
         policy_dir=ms.require(iteration, needed_by=f"replay of iteration {iteration}"),
         out_dir=scratch / f"policy_v{iteration + 1}",
     )
+    # the replayed weights come back through Ray's object store, so the comparison works whichever node trained
+    # them (the scratch copy is on that node's disk); Megatron publishes none: its scratch copy is read here
+    req = dataclasses.replace(req, weight_sync="object_store")
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
     replayed = run_update(req)
     report = ReplayReport(cfg.run_id, iteration, adv_version)
@@ -162,6 +170,7 @@ def replay_update(
         report.rows.append((name, a, b, _rel(a, b), _close(a, b, rtol, atol)))
     if iteration + 1 in ms.versions():
         stored = ms.fetch(iteration + 1, needed_by="the replay's weight comparison")
-        max_abs, max_rel = compare_weights(Path(req.out_dir), stored)
+        refs = ray.get(existing_workers("actor")[0].published_weights.remote(req.checkpoint_id))
+        max_abs, max_rel = compare_weights(ray.get(refs[0]) if refs else Path(req.out_dir), stored)
         report.weights = (max_abs, max_rel, max_rel <= rtol)
     return report
