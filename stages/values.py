@@ -15,20 +15,14 @@ import pandas as pd
 
 from configs.schema import RunConfig
 from stages.workers.critic_worker import CriticWorker
-from stages.workers.group import WorkerGroup, call_with_retry, ensure_ray, worker_group
+from stages.workers.group import WorkerGroup, call_with_retry, ensure_ray_for, worker_group
 from stages.workers.placement import GpuPool
 
 
 def critic_group(cfg: RunConfig) -> WorkerGroup:
     """The run's "critic" group: one CriticWorker on one torch thread, on GPU 0 of a GPU run (connects to Ray
     first if needed)."""
-    ensure_ray(
-        cfg.ray.address,
-        cfg.ray.num_cpus,
-        run_id=cfg.run_id,
-        runtime_env=cfg.ray.runtime_env,
-        resources_per_worker=cfg.ray.resources_per_worker,
-    )
+    ensure_ray_for(cfg)
     return worker_group(CriticWorker, "critic", 1, threads=1, gpus=GpuPool.of(cfg.trainer))
 
 

@@ -24,7 +24,7 @@ from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
 from stages.update import run_update, update_request
-from stages.workers.group import ensure_ray, existing_workers
+from stages.workers.group import ensure_ray_for, existing_workers, gc_run
 
 REPLAY_RTOL = 1e-4
 REPLAY_ATOL = 1e-7
@@ -162,7 +162,7 @@ def replay_update(
     # the replayed weights come back through Ray's object store, so the comparison works whichever node trained
     # them (the scratch copy is on that node's disk); Megatron publishes none: its scratch copy is read here
     req = dataclasses.replace(req, weight_sync="object_store")
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
+    ensure_ray_for(cfg)
     replayed = run_update(req)
     report = ReplayReport(cfg.run_id, iteration, adv_version)
     for name in sorted(k for k in replayed if k.startswith("actor/") and k in logged and k not in SKIP_METRICS):
@@ -173,4 +173,6 @@ def replay_update(
         refs = ray.get(existing_workers("actor")[0].published_weights.remote(req.checkpoint_id))
         max_abs, max_rel = compare_weights(ray.get(refs[0]) if refs else Path(req.out_dir), stored)
         report.weights = (max_abs, max_rel, max_rel <= rtol)
+    if cfg.ray.is_cluster:  # detached on a cluster: the replay's trainer group goes with the replay
+        gc_run(cfg.run_id)
     return report

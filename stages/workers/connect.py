@@ -222,3 +222,15 @@ def ensure_ray(
     env["env_vars"] = {**local_env_vars(), **env.get("env_vars", {})}
     with _loopback_node():
         ray.init(address="local", num_cpus=num_cpus, runtime_env=env, _node_ip_address="127.0.0.1", **kwargs)
+
+
+def ensure_ray_for(cfg) -> None:
+    """ensure_ray with run config `cfg`'s ray.* and run id: what every driver-side entry point (a stage, replay,
+    the CLI) calls, so a cluster run's workers get its runtime_env (forwarded credentials) and placement."""
+    ensure_ray(
+        cfg.ray.address,
+        cfg.ray.num_cpus,
+        run_id=cfg.run_id,
+        runtime_env=cfg.ray.runtime_env,
+        resources_per_worker=cfg.ray.resources_per_worker,
+    )

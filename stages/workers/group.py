@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from stages.workers.connect import ensure_ray, settings
+from stages.workers.connect import ensure_ray, ensure_ray_for, settings
 from stages.workers.placement import (
     CPU_ONLY,
     PG_PREFIX,
@@ -74,6 +74,7 @@ __all__ = [
     "WorkerGroup",
     "call_with_retry",
     "ensure_ray",
+    "ensure_ray_for",
     "existing_workers",
     "gc_run",
     "worker_group",

@@ -201,6 +201,16 @@ def _home_for_test(env) -> Path:
     return home
 
 
+def test_replay_of_an_update_trained_on_another_node(env, trained):
+    """The replayed update runs on node a (its scratch copy stays there); its weights come back through Ray and
+    equal the committed policy_v2, fetched from the bucket."""
+    proc = env.driver(
+        "replay", "--run-id", RUN_ID, "--iteration", "1", "--config", "configs/ci_tiny.yaml", *env.overrides()
+    )
+    _ok(proc)
+    assert "weights" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_resume_after_losing_the_rollout_node(env, trained):
     env.cluster.node("b").kill()
     env.cluster.add_node("c", 2, {"rollout_node": 1})
