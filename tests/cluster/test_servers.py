@@ -10,8 +10,15 @@ pytestmark = pytest.mark.cluster
 
 
 def _listening(pid: int) -> set[str]:
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    return {c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    """The addresses the server process and its children listen on (a child that exits meanwhile is skipped)."""
+    out = set()
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            out |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, FileNotFoundError):
+            continue
+    assert out, f"process {pid} listens on nothing: the check would pass vacuously"
+    return out
 
 
 def test_s3_server_is_real_and_loopback_only(s3_env):
