@@ -1,8 +1,8 @@
 """Rollouts sampled from weights that never reached the engine (verl-project/verl#7495) stop the iteration.
 
 A real ci_tiny run (Dagster in-process, local Ray, Delta): set-up and iteration 0 as usual; then every rollout
-engine of the run's persistent rollout group is made to skip its next weight sync (its load_checkpoint does
-nothing, inside the Ray actor), and iteration 1 runs. The engine still holds policy v1's predecessor, so the
+engine of the run's persistent rollout group is made to skip its next weight sync (its load_checkpoint and
+load_state do nothing, inside the Ray actor), and iteration 1 runs. The engine still holds policy v1's predecessor, so the
 rows' engine_weights_fingerprint differs from policy_v1's checkpoint: the blocking check
 engine_weights_match_policy fails, and no stage after rollouts runs for that partition.
 """
@@ -25,8 +25,10 @@ RUN = "stale-weights"
 
 
 def _skip_weight_sync(worker) -> str:
-    """Runs inside a RolloutWorker actor: its engine keeps whatever weights it holds from now on."""
+    """Runs inside a RolloutWorker actor: its engine keeps whatever weights it holds from now on, whether they
+    come from the checkpoint or from Ray's object store (rollout.weight_sync)."""
     worker.engine.load_checkpoint = lambda model_dir: None
+    worker.engine.load_state = lambda state, source="": None
     return worker.engine.weights_fingerprint()
 
 
