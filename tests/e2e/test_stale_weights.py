@@ -2,8 +2,8 @@
 
 A real ci_tiny run (Dagster in-process, local Ray, Delta): set-up and iteration 0 as usual; then every rollout
 engine of the run's persistent rollout group is made to skip its next weight sync (its load_checkpoint and
-load_state do nothing, inside the Ray actor), and iteration 1 runs. The engine still holds policy v1's predecessor, so the
-rows' engine_weights_fingerprint differs from policy_v1's checkpoint: the blocking check
+load_state do nothing, inside the Ray actor), and iteration 1 runs. The engine still holds policy v1's predecessor,
+so the rows' engine_weights_fingerprint differs from policy_v1's checkpoint: the blocking check
 engine_weights_match_policy fails, and no stage after rollouts runs for that partition.
 """
 
