@@ -102,17 +102,21 @@ class S3Server:
     def root(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{prefix.strip('/')}"
 
-    def keys(self, prefix: str = "") -> list[str]:
-        """Every object key under prefix in the bucket (boto3, the server's own listing)."""
+    def client(self):
+        """A boto3 S3 client of this server (credentials passed here, not taken from the environment)."""
         import boto3
 
-        s3 = boto3.client(
+        return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
             region_name="us-east-1",
         )
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every object key under prefix in the bucket (boto3, the server's own listing)."""
+        s3 = self.client()
         out: list[str] = []
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             out += [o["Key"] for o in page.get("Contents", [])]

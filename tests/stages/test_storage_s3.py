@@ -14,7 +14,6 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import boto3
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -84,13 +83,7 @@ def _lineage(stage: str, upstream: dict[str, int]) -> dict:
 
 
 def _objects(server, prefix: str) -> dict[str, bytes]:
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name="us-east-1",
-    )
+    s3 = server.client()
     return {k: s3.get_object(Bucket=server.bucket, Key=k)["Body"].read() for k in server.keys(prefix + "/")}
 
 
