@@ -58,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=256, help="rollout sections: new tokens per sample")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="rollout sections")
     ap.add_argument("--megatron-rollouts", type=int, default=128, help="megatron: rollouts in the update")
+    ap.add_argument(
+        "--grpo-rollout", default="vllm", choices=("vllm", "hf"),
+        help="grpo: the rollout engine (rollout.name); hf where the CUDA vllm build cannot be installed",
+    )  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense bf16 peak of the GPU")
     ap.add_argument("--budget-s", type=float, default=450.0, help="deadline of all sections together")
     ap.add_argument("--workdir", default=None, help="scratch directory (default: <out>.work)")
@@ -234,7 +238,7 @@ def section_grpo(args: argparse.Namespace) -> list[dict]:
 
     out_dir = Path(args.workdir).resolve() / "grpo"
     shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, never a resumed one of an earlier check
-    overrides = [f"trainer.output_dir={out_dir}", "trainer.total_training_steps=1"]
+    overrides = [f"trainer.output_dir={out_dir}", "trainer.total_training_steps=1", f"rollout.name={args.grpo_rollout}"]
     cfg = load_config(GPU_CONFIG, overrides)
     t0 = time.perf_counter()
     result = run_training(GPU_CONFIG, overrides, run_id="gpu-check", steps=1)
@@ -248,7 +252,8 @@ def section_grpo(args: argparse.Namespace) -> list[dict]:
         f"{k.split('/', 1)[1]} {v:.1f} s" for k, v in sorted(metrics.items()) if k.startswith("timing_s/")
     )
     return [
-        {"check": "GRPO iteration (smollm2_gsm8k_gpu.yaml), wall", "result": f"{wall:.0f} s", "detail": timings},
+        {"check": f"GRPO iteration (smollm2_gsm8k_gpu.yaml, rollout.name={args.grpo_rollout}), wall",
+         "result": f"{wall:.0f} s", "detail": timings},
         {"check": "GRPO iteration: where each role ran", "result": "cuda" if "cpu" not in devices else "NOT all on GPU",
          "detail": devices},
         {"check": "GRPO iteration: reward mean", "result": f"{metrics.get('critic/score/mean', float('nan')):.3f}",

@@ -24,6 +24,8 @@ def test_arguments_default_to_every_section_and_a_workdir_beside_the_report(tmp_
     assert args.sections == list(gpu_check.SECTIONS) == ["rollout-vllm", "rollout-hf", "grpo", "megatron"]
     assert (args.prompts, args.n, args.max_tokens, args.peak_tflops) == (64, 8, 256, 989.0)
     assert args.workdir == f"{tmp_path / 'r.md'}.work" and args.section is None
+    assert args.grpo_rollout == "vllm"  # the GPU config's engine; hf where the CUDA vllm build is absent
+    assert gpu_check.parse_args(["--out", "r.md", "--grpo-rollout", "hf"]).grpo_rollout == "hf"
 
 
 @pytest.mark.parametrize(
