@@ -16,6 +16,7 @@ from assets.common import (
     read_recorded,
     record_checkpoint,
     run_iterations,
+    timed,
     train_prompt_count,
     upstream_version,
     write_table,
@@ -145,13 +146,9 @@ def iteration_metrics(
     m = compute_iteration_metrics(
         cfg, scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
     )
-    last, val = it + 1 == cfg.trainer.total_training_steps, None
-    if validates(cfg, it):
-        ray.ensure()
-        prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
-        tok = load_tokenizer(ms.fetch(it + 1))
-        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
-        m |= validation_summary(val, cfg.rollout.n)
+    last = it + 1 == cfg.trainer.total_training_steps
+    val, val_metrics = validation(context, cfg, rollout_store, ms, ray, it, new_dir)
+    m |= val_metrics
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
     tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
@@ -174,6 +171,20 @@ def iteration_metrics(
         },
         data_version=data_version("iteration_metrics", v),
     )
+
+
+def validation(context, cfg, rollout_store, ms, ray, it: int, new_dir) -> tuple[dict | None, dict[str, float]]:
+    """(validation rollouts by sampling mode, their val-core metrics and timing_s/testing: the seconds it took)
+    when iteration `it`'s new policy is validated (stages.metrics.validates), else (None, {})."""
+    if not validates(cfg, it):
+        return None, {}
+    with timed() as t:
+        ray.ensure()
+        prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
+        tok = load_tokenizer(ms.fetch(it + 1))
+        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
+        summary = validation_summary(val, cfg.rollout.n)
+    return val, {**summary, "timing_s/testing": t["s"]}
 
 
 SUMMARY_METRICS = (

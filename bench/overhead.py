@@ -5,14 +5,18 @@
 
 Runs `rlake train` in-process (pipelines.runner.run_training) on a fresh output directory, then reads, for every
 iteration after the first (iteration 0 starts the worker processes):
-- from the run's Dagster event log: the iteration run's wall time (RUN_START -> RUN_SUCCESS) and each asset
-  step's (STEP_START -> STEP_SUCCESS);
+- from the run's Dagster event log and run record: the iteration run's wall time (RUN_START -> RUN_SUCCESS), the
+  same from the run's creation (its planned-materialization events come before RUN_START) and each asset step's
+  (STEP_START -> STEP_SUCCESS);
 - from the iteration_metrics table: each stage's own time (`timing_s/<stage>`, measured inside the asset around
-  the stage call) and the compute the stages report (`timing_s/update_compute`: the PPO loop);
-and prints one markdown table: per stage the means of step wall, stage time, and step wall minus stage time
-(the asset's reads, Delta writes, metadata and Dagster's step machinery), and for the whole iteration the
-run wall, the sum of stage times (`timing_s/step`), the time outside any step (run start-up and teardown,
-between steps) and the overhead ratio 1 - timing_s/step / run wall. Measurement only: it changes nothing.
+  the stage call), the validation's (`timing_s/testing`, iterations that validate: every trainer.test_freq-th
+  and the last) and the compute the stages report (`timing_s/update_compute`: the PPO loop);
+and prints markdown tables in one run: per stage the mean and median over iterations of step wall, stage time,
+and step wall minus stage time (the asset's reads, Delta writes, metadata and Dagster's step machinery); for the
+whole iteration the run wall, its parts and the stage times; and the overhead ratio, 1 - work / run wall with
+work = timing_s/step + timing_s/testing, as the ratio of the means and the median over iterations (and, for
+comparison with measurements before timing_s/testing existed, 1 - timing_s/step / run wall, which counts a
+validation as overhead). Measurement only: it changes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -73,50 +78,109 @@ def measure(config: str, steps: int, overrides: list[str]) -> dict:
             continue  # the set-up run (partition: the run id alone)
         it = int(partition)
         wall, steps_wall = _step_walls(instance, run.run_id)
+        record = instance.get_run_record_by_id(run.run_id)
         m = metrics[(metrics["run_id"] == res["run_id"]) & (metrics["iteration"] == it)]
         timing = {r.metric: float(r.value) for r in m.itertuples() if r.metric.startswith("timing_s/")}
-        per_iteration[it] = {"run_wall_s": wall, "step_wall_s": steps_wall, "timing": timing}
+        per_iteration[it] = {
+            "run_wall_s": wall,
+            # the run's creation (its planned-materialization events) happens before RUN_START
+            "created_wall_s": (record.end_time or 0.0) - record.create_timestamp.timestamp(),
+            "step_wall_s": steps_wall,
+            "timing": timing,
+        }
     return {"config": config, "steps": steps, "total_s": total, "output_dir": str(out), "iterations": per_iteration}
 
 
-TIMING_OF_STEP = {"prompt_batches": "timing_s/prompt_batch", "policy_checkpoint": "timing_s/update"}
+TIMING_OF_STEP = {
+    "prompt_batches": "timing_s/prompt_batch",
+    "policy_checkpoint": "timing_s/update",
+    "iteration_metrics": "timing_s/testing",  # validation (every test_freq-th and the last iteration): 0 otherwise
+}
 
 
-def summarize(result: dict) -> str:
-    """The markdown table over iterations 1.. (iteration 0 starts the workers)."""
-    its = [v for k, v in sorted(result["iterations"].items()) if k > 0] or list(result["iterations"].values())
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def stage_rows(its: list[dict]) -> list[str]:
+    """Per Dagster step: mean and median of step wall, stage time, and their difference over iterations."""
     wall, stage = defaultdict(list), defaultdict(list)
     for v in its:
         for step, s in v["step_wall_s"].items():
             wall[step].append(s)
-            stage[step].append(v["timing"].get(TIMING_OF_STEP.get(step, f"timing_s/{step}"), float("nan")))
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731 - a one-line helper
+            key = TIMING_OF_STEP.get(step, f"timing_s/{step}")
+            stage[step].append(v["timing"].get(key, 0.0 if key == "timing_s/testing" else float("nan")))
     lines = [
+        "| stage (Dagster step) | step wall s mean | median | stage time s mean (timing_s) | median "
+        "| step wall - stage time s mean | median |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for step in sorted(wall, key=lambda k: -_mean(wall[k])):
+        diff = [w - s for w, s in zip(wall[step], stage[step], strict=True)]
+        cells = [_mean(wall[step]), _median(wall[step]), _mean(stage[step]), _median(stage[step])]
+        cells += [_mean(diff), _median(diff)]
+        lines.append(f"| {step} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    return lines
+
+
+def iteration_rows(its: list[dict]) -> list[str]:
+    """The whole iteration: run wall, its parts, stage time and the overhead ratios (mean and median)."""
+
+    def col(f) -> tuple[float, float]:
+        xs = [f(v) for v in its]
+        return _mean(xs), _median(xs)
+
+    stage = lambda v: v["timing"].get("timing_s/step", float("nan"))  # noqa: E731 - one-line helpers
+    work = lambda v: stage(v) + v["timing"].get("timing_s/testing", 0.0)  # noqa: E731
+    rows = [
+        ("Dagster run wall (RUN_START -> RUN_SUCCESS)", col(lambda v: v["run_wall_s"])),
+        ("iteration wall (run created -> RUN_SUCCESS: + the run's creation)", col(lambda v: v["created_wall_s"])),
+        ("sum of step walls", col(lambda v: sum(v["step_wall_s"].values()))),
+        (
+            "outside any step (run start-up, teardown, between steps)",
+            col(lambda v: v["run_wall_s"] - sum(v["step_wall_s"].values())),
+        ),
+        ("sum of stage times (timing_s/step)", col(stage)),
+        (
+            "validation (timing_s/testing; 0 in iterations without)",
+            col(lambda v: v["timing"].get("timing_s/testing", 0.0)),
+        ),
+        (
+            "of which the PPO loop (timing_s/update_compute)",
+            col(lambda v: v["timing"].get("timing_s/update_compute", float("nan"))),
+        ),
+    ]
+    lines = ["| whole iteration | mean s | median s |", "|---|---:|---:|"]
+    lines += [f"| {name} | {m:.3f} | {md:.3f} |" for name, (m, md) in rows]
+    wall = {"run wall": lambda v: v["run_wall_s"], "iteration wall": lambda v: v["created_wall_s"]}
+    ratios = [
+        ("**overhead ratio** 1 - (timing_s/step + timing_s/testing) / run wall", work, wall["run wall"]),
+        ("the same of the iteration wall (run creation included)", work, wall["iteration wall"]),
+        (
+            "1 - timing_s/step / run wall (validation counted as overhead, as before timing_s/testing)",
+            stage,
+            wall["run wall"],
+        ),
+    ]
+    lines += ["", "| overhead ratio | of the means | median over iterations |", "|---|---:|---:|"]
+    for name, num, den in ratios:
+        of_means = 1 - _mean([num(v) for v in its]) / _mean([den(v) for v in its])
+        lines.append(f"| {name} | {of_means:.0%} | {_median([1 - num(v) / den(v) for v in its]):.0%} |")
+    return lines
+
+
+def summarize(result: dict) -> str:
+    """The markdown tables over iterations 1.. (iteration 0 starts the workers)."""
+    its = [v for k, v in sorted(result["iterations"].items()) if k > 0] or list(result["iterations"].values())
+    head = (
         f"{result['config']}, {result['steps']} iterations ({len(its)} measured: iteration 0 starts the workers), "
-        f"whole command {result['total_s']:.0f} s",
-        "",
-        "| stage (Dagster step) | step wall s | stage time s (timing_s) | step wall - stage time s |",
-        "|---|---:|---:|---:|",
-    ]
-    for step in sorted(wall, key=lambda k: -mean(wall[k])):
-        w, s = mean(wall[step]), mean(stage[step])
-        lines.append(f"| {step} | {w:.3f} | {s:.3f} | {w - s:.3f} |")
-    run_wall = mean([v["run_wall_s"] for v in its])
-    step_sum = mean([sum(v["step_wall_s"].values()) for v in its])
-    stage_sum = mean([v["timing"].get("timing_s/step", float("nan")) for v in its])
-    compute = mean([v["timing"].get("timing_s/update_compute", float("nan")) for v in its])
-    lines += [
-        "",
-        "| whole iteration | s |",
-        "|---|---:|",
-        f"| Dagster run wall (RUN_START -> RUN_SUCCESS) | {run_wall:.3f} |",
-        f"| sum of step walls | {step_sum:.3f} |",
-        f"| outside any step (run start-up, teardown, between steps) | {run_wall - step_sum:.3f} |",
-        f"| sum of stage times (timing_s/step) | {stage_sum:.3f} |",
-        f"| of which the PPO loop (timing_s/update_compute) | {compute:.3f} |",
-        f"| **overhead ratio** 1 - timing_s/step / run wall | **{1 - stage_sum / run_wall:.0%}** |",
-    ]
-    return "\n".join(lines)
+        f"whole command {result['total_s']:.0f} s"
+    )
+    return "\n".join([head, "", *stage_rows(its), "", *iteration_rows(its)])
 
 
 def main() -> int:

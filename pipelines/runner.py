@@ -32,6 +32,7 @@ import yaml
 from assets.common import add_partitions, partition_key
 from configs.errors import load_run_config
 from configs.schema import RunConfig
+from pipelines.dagster_storage import instance_yaml, relocate
 from pipelines.definitions import build_definitions
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
 from pipelines.progress import RunProgress, plain
@@ -54,17 +55,29 @@ def dagster_home(output_dir: str) -> Path:
     """DAGSTER_HOME if set, else <output_dir>/dagster_home (created), so `rlake ui` shows `rlake train`'s runs.
 
     Its dagster.yaml switches Dagster's telemetry (and the banner it prints on first use) off, unless the
-    file already says something about telemetry. A Postgres-backed home (a team's shared instance) is
+    file already says something about telemetry; and, unless it chooses a storage, selects rlake's pooled sqlite
+    event log (same files as Dagster's default, without a new sqlite connection per event:
+    pipelines/dagster_storage.py). A Postgres-backed home (a team's shared instance) is
     checked first: check_instance_yaml."""
     home = Path(os.environ.get("DAGSTER_HOME") or Path(output_dir).resolve() / "dagster_home")
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "dagster.yaml"
     text = conf.read_text() if conf.is_file() else ""
     check_instance_yaml(conf, text)
-    if "telemetry" not in text:
-        conf.write_text(text + ("\n" if text and not text.endswith("\n") else "") + TELEMETRY_OFF)
+    added = ("" if "telemetry" in text else TELEMETRY_OFF) + ("" if _names_storage(text) else instance_yaml(home))
+    new = relocate(text, home) + ("\n" if text and not text.endswith("\n") and added else "") + added
+    if new != text:
+        conf.write_text(new)
     os.environ["DAGSTER_HOME"] = str(home)
     return home
+
+
+def _names_storage(text: str) -> bool:
+    """Whether a dagster.yaml chooses a storage itself (`storage:` e.g. Postgres, or one of the legacy keys):
+    then it is left alone; else rlake's pooled sqlite event log is added (pipelines/dagster_storage.py)."""
+    data = yaml.safe_load(text) if text.strip() else None
+    keys = set(data) if isinstance(data, dict) else set()
+    return bool(keys & {"storage", "run_storage", "event_log_storage", "schedule_storage"})
 
 
 def check_instance_yaml(conf: Path, text: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from pipelines.dagster_storage import instance_yaml
 from pipelines.progress import RunProgress
 from pipelines.runner import TELEMETRY_OFF, dagster_home
 
@@ -123,9 +124,9 @@ def test_live_progress_renders_stage_and_stats_on_a_terminal() -> None:
 def test_dagster_home_switches_telemetry_off_once(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     home = dagster_home(str(tmp_path))
-    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF
+    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + instance_yaml(home)
     dagster_home(str(tmp_path))
-    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF  # not appended twice
+    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + instance_yaml(home)  # not appended twice
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")
     dagster_home(str(tmp_path))
     assert "enabled: true" in (home / "dagster.yaml").read_text()  # a user's own choice stays

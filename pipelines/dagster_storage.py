@@ -1,0 +1,212 @@
+"""Dagster's sqlite event log with pooled connections: the storage a DAGSTER_HOME of `rlake train` selects.
+
+Dagster's default `SqliteEventLogStorage` opens a new SQLAlchemy engine and sqlite connection for every
+statement batch (NullPool), commits it with a full fsync and closes it, which checkpoints the WAL into the
+database file: measured at about 3.6 ms a connection and ~285 connections per RL iteration (one per stored
+event, its index-shard mirror, each partition / data-version / asset-check lookup), so 1-2 s of each iteration
+went to opening and closing sqlite files (docs/benchmarks.md, issue #20).
+
+`PooledSqliteEventLogStorage` keeps the same files (one database per run under history/runs plus the
+index shard: a home written by either class is read by the other, and by `dagster dev`) and the same SQL. It
+creates a new run's database as a copy of an empty one (initialised once per process) instead of creating
+every table and index again, keeps one engine per shard with a small connection pool (the least recently
+used beyond MAX_ENGINES are closed), opens connections with `PRAGMA synchronous=NORMAL` (SQLite's
+recommended setting in WAL mode: a commit is durable against a process crash and never corrupts the
+database; only a power loss may drop the last commits), and remembers which tables exist.
+
+Live views: Dagster's webserver follows a run by watching the run's database file for changes. A pooled
+connection stays open, so commits land in the write-ahead log (`<run>.db-wal`) and reach the database file at
+a checkpoint; this class's `watch` (the webserver loads the same dagster.yaml) therefore watches both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dagster._config import Field, StringSource
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import (
+    INDEX_SHARD_NAME,
+    SqliteEventLogStorage,
+    SqliteEventLogStorageWatchdog,
+)
+from dagster._core.storage.sql import create_engine
+from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
+
+MODULE = __name__
+CLASS = "PooledSqliteEventLogStorage"
+MAX_ENGINES = 8
+"""Shards with an open engine at a time: the index shard and the runs in flight (one per iteration run)."""
+
+
+def _pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+class PooledSqliteEventLogStorage(SqliteEventLogStorage):
+    """SqliteEventLogStorage (same files, same SQL) with one pooled engine per shard; see the module doc."""
+
+    def __init__(self, base_dir: str | None = None, inst_data: Any = None):
+        base_dir = base_dir or os.path.join(os.environ.get("DAGSTER_HOME", "."), "history", "runs")
+        self._engines: OrderedDict[str, Engine] = OrderedDict()
+        self._engines_pid = os.getpid()
+        self._engines_lock = threading.Lock()
+        self._tables: set[str] = set()
+        self._empty: bytes | None = None
+        super().__init__(base_dir, inst_data=inst_data)
+
+    @classmethod
+    def config_type(cls) -> dict:
+        """`base_dir` (default: DAGSTER_HOME/history/runs, where Dagster's default storage keeps them)."""
+        return {"base_dir": Field(StringSource, is_required=False)}
+
+    @classmethod
+    def from_config_value(cls, inst_data, config_value) -> PooledSqliteEventLogStorage:  # ty: ignore
+        return cls(inst_data=inst_data, **config_value)
+
+    def _engine(self, shard: str) -> Engine:
+        """The shard's pooled engine (a forked child starts its own: the parent's connections are not shared)."""
+        with self._engines_lock:
+            if self._engines_pid != os.getpid():
+                for engine in self._engines.values():
+                    engine.dispose(close=False)
+                self._engines, self._engines_pid = OrderedDict(), os.getpid()
+            engine = self._engines.get(shard)
+            if engine is None:
+                engine = create_engine(
+                    self.conn_string_for_shard(shard), connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS}
+                )
+                event.listen(engine, "connect", _pragmas)
+                self._engines[shard] = engine
+                while len(self._engines) > MAX_ENGINES:
+                    self._engines.popitem(last=False)[1].dispose()
+            else:
+                self._engines.move_to_end(shard)
+            return engine
+
+    @contextmanager
+    def _connect(self, shard: str) -> Iterator[Any]:
+        with self._db_lock:
+            engine = self._engine(shard)
+            if shard not in self._initialized_dbs:
+                if not self._copy_empty_shard(shard):
+                    self._initdb(engine)
+                self._initialized_dbs.add(shard)
+            with engine.connect() as conn, conn.begin():
+                yield conn
+
+    def _copy_empty_shard(self, shard: str) -> bool:
+        """Create a new run's database as a copy of an empty one this process initialised once (Dagster's
+        `_initdb` creates every table and index and stamps the schema revision per run: 0.3 s of each run's
+        creation on a loaded 2-core box). False (nothing done) for the index shard, a database that exists, or
+        one another process created first (the copy is linked in only where no file is)."""
+        path = self.path_for_shard(shard)
+        if shard == INDEX_SHARD_NAME or os.path.exists(path):
+            return False
+        if self._empty is None:
+            self._empty = self._empty_shard_bytes()
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self._empty)
+        try:
+            os.link(tmp, path)  # fails where a file already is: never replaces a database another process opened
+        except OSError:  # FileExistsError, or a file system without hard links: Dagster's own way then
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+
+    def _empty_shard_bytes(self) -> bytes:
+        """The bytes of a run database as Dagster's `_initdb` creates it (schema at this Dagster's revision)."""
+        tmp = os.path.join(self._base_dir, f".empty-run-shard.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        engine = create_engine(f"sqlite:///{tmp}", poolclass=NullPool)
+        try:
+            self._initdb(engine)
+        finally:
+            engine.dispose()
+        try:
+            with open(tmp, "rb") as f:
+                return f.read()
+        finally:
+            for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+
+    def has_table(self, table_name: str) -> bool:
+        """Whether the index shard has `table_name` (a table once there stays: only found ones are remembered)."""
+        if table_name in self._tables:
+            return True
+        with self._engine(INDEX_SHARD_NAME).connect() as conn:
+            found = bool(conn.dialect.has_table(conn, table_name))
+        if found:
+            self._tables.add(table_name)
+        return found
+
+    def wipe(self) -> None:
+        self._dispose_engines()
+        super().wipe()
+
+    def dispose(self) -> None:
+        self._dispose_engines()
+        super().dispose()
+
+    def _dispose_engines(self) -> None:
+        with self._engines_lock:
+            for engine in self._engines.values():
+                engine.dispose()
+            self._engines.clear()
+
+    def watch(self, run_id: str, cursor: str | None, callback) -> None:
+        """Follow run `run_id` like Dagster does, also on its write-ahead log (see the module doc)."""
+        if not self._obs:
+            from watchdog.observers import Observer  # noqa: PLC0415 - only the webserver watches
+
+            self._obs = Observer()
+            self._obs.start()
+        watchdog = _WalWatchdog(self, run_id, callback, cursor)
+        self._watchers[run_id][callback] = (watchdog, self._obs.schedule(watchdog, self._base_dir, recursive=True))
+
+
+class _WalWatchdog(SqliteEventLogStorageWatchdog):
+    """Dagster's run-database watchdog, matching `<run>.db` and `<run>.db-wal`."""
+
+    def __init__(self, storage, run_id: str, callback, cursor: str | None) -> None:
+        super().__init__(storage, run_id, callback, cursor)
+        self._patterns = [self._log_path, self._log_path + "-wal"]
+
+    def on_modified(self, event) -> None:  # the parent asserts the path is the .db file
+        if event.src_path in self._patterns:
+            self._process_log()
+
+
+def _runs_dir(home: str | Path) -> str:
+    """<home>/history/runs as a YAML scalar (double-quoted: any path is valid YAML)."""
+    return json.dumps(str(Path(home).resolve() / "history" / "runs"))
+
+
+def instance_yaml(home: str | Path) -> str:
+    """The dagster.yaml lines selecting this storage for DAGSTER_HOME `home`, its files where Dagster's default
+    keeps them (<home>/history/runs, written out: an instance opened from the directory, e.g.
+    `DagsterInstance.from_config(home)`, finds them without DAGSTER_HOME); the run and schedule storages stay
+    Dagster's sqlite defaults."""
+    return f"event_log_storage:\n  module: {MODULE}\n  class: {CLASS}\n  config:\n    base_dir: {_runs_dir(home)}\n"
+
+
+def relocate(text: str, home: str | Path) -> str:
+    """`text` (a dagster.yaml) with this storage's base_dir pointed at `home` when instance_yaml wrote it for
+    another directory (an output directory copied or moved): else the copy would read the old one's runs."""
+    pattern = rf"(  class: {CLASS}\n  config:\n    base_dir: )[^\n]*"
+    return re.sub(pattern, lambda m: m.group(1) + _runs_dir(home), text)
