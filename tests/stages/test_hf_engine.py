@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stages.algos.losses import gather_logprobs
 from stages.models.engines.base import SamplingSpec
-from stages.models.engines.hf_engine import HFEngine
+from stages.models.engines.hf_engine import HFEngine, sampled_logprobs
 from stages.models.policy import encode_chat, load_policy, save_policy
 from stages.train.batching import pad_rollouts, response_logits
 
@@ -61,3 +62,21 @@ def test_greedy_is_deterministic_and_reload_changes_outputs(tiny_checkpoint, tmp
     after = [g[0].token_ids for g in eng.generate(prompts, greedy)]
     fresh = HFEngine(str(tmp_path / "v1"))
     assert after == [g[0].token_ids for g in fresh.generate(prompts, greedy)] and after != before
+
+
+@pytest.mark.parametrize(
+    ("batch", "vocab", "steps"), [(5, 37, 12), (3, 37, 100), (2, 49152, 97), (2, 49152, 130), (2, 50, 1)]
+)
+def test_sampled_logprobs_equal_compute_transition_scores_bit_for_bit(tiny_checkpoint, batch, vocab, steps) -> None:
+    """The blocked log-softmax gives exactly HF's compute_transition_scores(normalize_logits=True), masked
+    (-inf) vocabulary entries included, whatever the number of steps (tiny_cpu's rollout_logprobs and every
+    metric computed from them stay bit-identical)."""
+    gen = torch.Generator().manual_seed(steps)
+    scores = tuple(torch.randn(batch, vocab, generator=gen) * 4 for _ in range(steps))
+    for s in scores:
+        s[:, 1] = float("-inf")  # a suppressed token (pad), as SuppressTokensLogitsProcessor leaves it
+    tokens = torch.randint(2, vocab, (batch, steps), generator=gen)
+    model, _ = load_policy(tiny_checkpoint)
+    model.config.vocab_size = vocab  # compute_transition_scores reshapes by the config's vocabulary size
+    want = model.compute_transition_scores(tokens, scores, normalize_logits=True)
+    assert torch.equal(sampled_logprobs(scores, tokens), want)
