@@ -134,21 +134,19 @@ def iteration_rows(its: list[dict]) -> list[str]:
         xs = [f(v) for v in its]
         return _mean(xs), _median(xs)
 
-    stage = lambda v: v["timing"].get("timing_s/step", float("nan"))  # noqa: E731 - one-line helpers
-    work = lambda v: stage(v) + v["timing"].get("timing_s/testing", 0.0)  # noqa: E731
+    run_wall = lambda v: v["run_wall_s"]  # noqa: E731 - one-line accessors of one iteration's measurements
+    created_wall = lambda v: v["created_wall_s"]  # noqa: E731
+    steps_wall = lambda v: sum(v["step_wall_s"].values())  # noqa: E731
+    stage = lambda v: v["timing"].get("timing_s/step", float("nan"))  # noqa: E731
+    testing = lambda v: v["timing"].get("timing_s/testing", 0.0)  # noqa: E731
+    work = lambda v: stage(v) + testing(v)  # noqa: E731
     rows = [
-        ("Dagster run wall (RUN_START -> RUN_SUCCESS)", col(lambda v: v["run_wall_s"])),
-        ("iteration wall (run created -> RUN_SUCCESS: + the run's creation)", col(lambda v: v["created_wall_s"])),
-        ("sum of step walls", col(lambda v: sum(v["step_wall_s"].values()))),
-        (
-            "outside any step (run start-up, teardown, between steps)",
-            col(lambda v: v["run_wall_s"] - sum(v["step_wall_s"].values())),
-        ),
+        ("Dagster run wall (RUN_START -> RUN_SUCCESS)", col(run_wall)),
+        ("iteration wall (run created -> RUN_SUCCESS: + the run's creation)", col(created_wall)),
+        ("sum of step walls", col(steps_wall)),
+        ("outside any step (run start-up, teardown, between steps)", col(lambda v: run_wall(v) - steps_wall(v))),
         ("sum of stage times (timing_s/step)", col(stage)),
-        (
-            "validation (timing_s/testing; 0 in iterations without)",
-            col(lambda v: v["timing"].get("timing_s/testing", 0.0)),
-        ),
+        ("validation (timing_s/testing; 0 in iterations without)", col(testing)),
         (
             "of which the PPO loop (timing_s/update_compute)",
             col(lambda v: v["timing"].get("timing_s/update_compute", float("nan"))),
@@ -156,15 +154,10 @@ def iteration_rows(its: list[dict]) -> list[str]:
     ]
     lines = ["| whole iteration | mean s | median s |", "|---|---:|---:|"]
     lines += [f"| {name} | {m:.3f} | {md:.3f} |" for name, (m, md) in rows]
-    wall = {"run wall": lambda v: v["run_wall_s"], "iteration wall": lambda v: v["created_wall_s"]}
     ratios = [
-        ("**overhead ratio** 1 - (timing_s/step + timing_s/testing) / run wall", work, wall["run wall"]),
-        ("the same of the iteration wall (run creation included)", work, wall["iteration wall"]),
-        (
-            "1 - timing_s/step / run wall (validation counted as overhead, as before timing_s/testing)",
-            stage,
-            wall["run wall"],
-        ),
+        ("**overhead ratio** 1 - (timing_s/step + timing_s/testing) / run wall", work, run_wall),
+        ("the same of the iteration wall (run creation included)", work, created_wall),
+        ("1 - timing_s/step / run wall (validation counted as overhead, as before timing_s/testing)", stage, run_wall),
     ]
     lines += ["", "| overhead ratio | of the means | median over iterations |", "|---|---:|---:|"]
     for name, num, den in ratios:
