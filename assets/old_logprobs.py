@@ -28,8 +28,9 @@ def old_logprobs(
     model_store: ModelStoreResource,
     ray: RayResource,
 ) -> dg.MaterializeResult:
-    """Per-token log-probs of every response under the policy that sampled it (version == iteration), on the
-    actor workers, which keep that policy resident for the update; and their gap to the engine's."""
+    """Per-token log-probs of every response under the policy being updated (version == iteration; with
+    trainer.async_mode=one_step_off the rollouts were sampled by the version before it), on the actor workers,
+    which keep that policy resident for the update; and their gap to the engine's."""
     cfg, it = run_config.load(), iteration_of(context)
     df, out, v, seconds = model_logprob_table(
         context,
@@ -46,19 +47,28 @@ def old_logprobs(
     return dg.MaterializeResult(
         metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap},
         data_version=data_version("old_logprobs", v),
-        check_results=[probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean)],
+        check_results=[
+            probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean, lag=it - cfg.trainer.rollout_version(it))
+        ],
     )
 
 
-def probs_gap_check(gap: dict[str, float], limit: float | None) -> dg.AssetCheckResult:
+def probs_gap_check(gap: dict[str, float], limit: float | None, *, lag: int = 0) -> dg.AssetCheckResult:
     """Warn when the engine's sampling probabilities drift from the trainer's (verl's rollout_probs_diff);
-    NaN (no response token counted) passes."""
+    NaN (no response token counted) passes. lag > 0 (one_step_off: the rollouts were sampled by an older
+    policy than the trainer holds): the gap then includes the updates in between by design, so it is recorded,
+    not judged."""
     mean = float(gap.get("training/rollout_probs_diff_mean", float("nan")))
     meta = {
         "rollout_probs_diff_mean": mean,
         "rollout_probs_diff_max": float(gap.get("training/rollout_probs_diff_max", float("nan"))),
     }
     name = "rollout_probs_diff_within_limit"
+    if lag > 0:
+        why = f"not judged: the rollouts trail the trainer by {lag} update(s) (trainer.async_mode=one_step_off)"
+        return dg.AssetCheckResult(
+            check_name=name, passed=True, metadata={**meta, "limit": "off" if limit is None else limit, "skipped": why}
+        )
     if limit is None:
         return dg.AssetCheckResult(check_name=name, passed=True, metadata={**meta, "limit": "off"})
     passed = not mean > limit

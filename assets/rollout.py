@@ -75,15 +75,20 @@ def rollouts(
     model_store: ModelStoreResource,
     ray: RayResource,
 ) -> dg.MaterializeResult:
-    """rollout.n responses per prompt from policy version == iteration, with token ids and logprobs
-    (ReMax: plus one greedy baseline response per prompt, is_baseline)."""
+    """rollout.n responses per prompt, with token ids and logprobs, from policy version == iteration
+    (trainer.async_mode=one_step_off: iteration - 1, at least 0); ReMax: plus one greedy baseline response per
+    prompt, is_baseline. The version used is each row's policy_version, the commit's and this materialization's."""
     cfg, it = run_config.load(), iteration_of(context)
+    policy = cfg.trainer.rollout_version(it)
     batch, version = read_recorded(context, rollout_store, "prompt_batches", cfg.run_id, it)
-    model_dir = model_store.for_run(cfg.run_id).require(it, needed_by=f"rollouts of iteration {it}")
+    model_dir = model_store.for_run(cfg.run_id).require(policy, needed_by=f"rollouts of iteration {it}")
     ray.ensure()
     with timed() as t:
         out = sample_rollouts(
-            batch.assign(group_id=batch["position"], policy_version=it), model_dir=str(model_dir), cfg=cfg, iteration=it
+            batch.assign(group_id=batch["position"], policy_version=policy),
+            model_dir=str(model_dir),
+            cfg=cfg,
+            iteration=it,
         )  # DAPO: rounds of gen_round until the batch is full
     v = write_table(
         rollout_store,
@@ -91,19 +96,24 @@ def rollouts(
         "rollouts",
         out,
         it,
-        policy_version=it,
+        policy_version=policy,
         upstream={"prompt_batches": version},
         duration_s=t["s"],
     )
     empty = int((out["response_length"] == 0).sum())
     return dg.MaterializeResult(
-        metadata={"delta_version": v, **rollout_metadata(out, t["s"])},
+        metadata={
+            "delta_version": v,
+            "policy_version": policy,
+            "policy_lag": it - policy,
+            **rollout_metadata(out, t["s"]),
+        },
         data_version=data_version("rollouts", v),
         check_results=[
             dg.AssetCheckResult(
                 check_name="responses_nonempty", passed=empty == 0, metadata={"empty_responses": empty}
             ),
-            weights_check(out, model_store.for_run(cfg.run_id).policy_fingerprint(it), it),
+            weights_check(out, model_store.for_run(cfg.run_id).policy_fingerprint(policy), policy),
         ],
     )
 
@@ -120,8 +130,9 @@ def turns(
     rollouts_df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     with timed() as t:
         out = turns_table(rollouts_df)
+    policy = cfg.trainer.rollout_version(it)
     v = write_table(
-        rollout_store, cfg, "turns", out, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
+        rollout_store, cfg, "turns", out, it, policy_version=policy, upstream={"rollouts": version}, duration_s=t["s"]
     )
     tool = out[out["role"] == "tool"]
     return dg.MaterializeResult(

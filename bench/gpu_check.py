@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -272,6 +271,7 @@ def _megatron_on_gpu(device):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from stages.io.ports import free_port
     from stages.models.policy import load_policy
     from stages.models.smollm2 import ensure_smollm2_checkpoint
     from stages.train.megatron.convert import hf_to_megatron
@@ -279,9 +279,7 @@ def _megatron_on_gpu(device):
     from stages.train.megatron.model import build_gpt_model, hf_arch
 
     torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     patched = apply_cpu_patches(device=device)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

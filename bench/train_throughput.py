@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stages.io.ports import free_port
 
 # name -> (backend, world, threads per process, tp, pp)
 CONFIGS = {
@@ -179,9 +180,7 @@ def main() -> None:
     results = []
     for name in args.configs:
         world = CONFIGS[name][1]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         tmp = f"{args.out}.part"
         mp.spawn(_worker, args=(world, port, args, name, tmp), nprocs=world, join=True)
         results.append(json.loads(Path(tmp).read_text()))

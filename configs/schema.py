@@ -687,6 +687,22 @@ class TrainerConfig(_Strict):
     """A policy_v<N> checkpoint directory (under output_dir/checkpoints/<run_id>/); used by resume_mode=resume_path."""
     resume_allow_config_change: bool = False
     """Resume even if the checkpoint's trainer_state.json was written under a different config hash."""
+    async_mode: Literal["sync", "one_step_off"] = "sync"
+    """sync: iteration i's rollouts are sampled from policy v_i, then v_i is updated (verl's default trainer).
+    one_step_off (verl's one_step_off_policy recipe): iteration i's rollouts are sampled from v_{i-1} (v_0 for
+    iterations 0 and 1), so `rlake train` generates iteration i+1's rollouts while iteration i's update runs,
+    in two Dagster runs at once. The PPO ratio still uses the trainer's recomputed log-probs of v_i;
+    algorithm.rollout_correction adds verl's truncated IS of the engine-vs-trainer gap. Needs the engines and
+    the trainer on separate devices, so a CPU run only (n_gpus_per_node: 0)."""
+
+    def rollout_version(self, iteration: int) -> int:
+        """The policy version that samples iteration `iteration`'s rollouts (see async_mode)."""
+        return iteration if self.async_mode == "sync" else max(iteration - 1, 0)
+
+    @property
+    def policy_lag(self) -> int:
+        """How many updates the sampling policy trails the trainer by (0: sync, 1: one_step_off)."""
+        return 0 if self.async_mode == "sync" else 1
 
     @model_validator(mode="after")
     def _gpu_pool(self) -> TrainerConfig:
@@ -694,6 +710,13 @@ class TrainerConfig(_Strict):
             raise ValueError(
                 f"trainer.n_gpus_per_node ({self.n_gpus_per_node}) must be >= 0 and trainer.nnodes ({self.nnodes}) "
                 ">= 1, because they size the GPU pool (0 GPUs: a CPU run); fix them."
+            )
+        if self.async_mode == "one_step_off" and self.n_gpus_per_node > 0:
+            raise ValueError(
+                "trainer.async_mode=one_step_off overlaps generation with the update, so the rollout engines and "
+                f"the trainer need devices of their own; with trainer.n_gpus_per_node={self.n_gpus_per_node} rlake "
+                "colocates every role on the GPU pool (the engine sleeps during the update), so nothing could "
+                "overlap. Use trainer.async_mode=sync on GPUs, or n_gpus_per_node=0 for a CPU run."
             )
         return self
 

@@ -167,3 +167,21 @@ def _own_stdout():
         return os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and ValueError
         return sys.stdout
+
+
+def asset_metadata(result, asset: str) -> dict:
+    """The metadata of `asset`'s materialization in an in-process run's result ({} when it has none)."""
+    for event in result.get_asset_materialization_events():
+        mat = event.step_materialization_data.materialization
+        if mat.asset_key.to_user_string() == asset:
+            return {k: v.value for k, v in mat.metadata.items()}
+    return {}
+
+
+def fmt_items(meta: dict, prefix: str) -> str:
+    """`key=value` pairs of the metadata keys starting with `prefix` (floats to 4 significant digits)."""
+    return "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(meta.items()) if k.startswith(prefix) and k != "delta_version")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

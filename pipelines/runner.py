@@ -21,6 +21,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -35,7 +36,8 @@ from configs.schema import RunConfig
 from pipelines.dagster_storage import instance_yaml, relocate
 from pipelines.definitions import build_definitions
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
-from pipelines.progress import RunProgress, plain
+from pipelines.one_step_off import run_one_step_off
+from pipelines.progress import RunProgress, asset_metadata, fmt_items, plain
 from pipelines.resources import tables_root, tracker_for
 from pipelines.sensors import DRIVER_TAG
 from stages.io.checkpoints import ModelStore
@@ -268,10 +270,13 @@ def _run_jobs(
         t0 = time.perf_counter()
         job = defs.resolve_job_def(SETUP_JOB)
         res = _execute(job, instance, progress, tags=tags, run_config=run_config, partition=cfg.run_id)
-        setup = _metadata(res, "initial_policy")
-        progress.line(f"setup done in {time.perf_counter() - t0:.1f}s: " + _fmt_items(setup, "val"))
+        setup = asset_metadata(res, "initial_policy")
+        progress.line(f"setup done in {time.perf_counter() - t0:.1f}s: " + fmt_items(setup, "val"))
     total = cfg.trainer.total_training_steps if steps is None else steps
     progress.start_iterations(plan.start_iteration, total)
+    if cfg.trainer.async_mode == "one_step_off":
+        kw = {"tags": tags, "run_config": run_config, "execute": _execute}
+        return setup, run_one_step_off(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
     for it in range(plan.start_iteration, total):
         t1 = time.perf_counter()
         add_partitions(instance, cfg.run_id, it)
@@ -284,8 +289,8 @@ def _run_jobs(
             partition=partition_key(cfg.run_id, it),
             asset_selection=iteration_asset_keys(cfg),
         )
-        history.append(_metadata(res, "iteration_metrics"))
-        progress.iteration_done(it, time.perf_counter() - t1, _fmt_items(history[-1], ""))
+        history.append(asset_metadata(res, "iteration_metrics"))
+        progress.iteration_done(it, time.perf_counter() - t1, fmt_items(history[-1], ""))
     return setup, history
 
 
@@ -298,11 +303,12 @@ def _end_mlflow_run(tracker, run_id: str, status: str, progress: RunProgress) ->
 
 
 def _execute(
-    job, instance, progress: RunProgress, *, tags: dict, run_config: dict, partition: str, asset_selection=None
+    job, instance, progress: RunProgress | None, *, tags: dict, run_config: dict, partition: str, asset_selection=None
 ):
-    """One in-process Dagster run of one partition, its steps shown by `progress` as they start."""
+    """One in-process Dagster run of one partition, its steps shown by `progress` as they start (None: not shown,
+    a run beside the one shown: pipelines/one_step_off.py)."""
     dagster_run_id = str(uuid.uuid4())
-    with progress.follow(instance, dagster_run_id):
+    with progress.follow(instance, dagster_run_id) if progress is not None else nullcontext():
         return job.execute_in_process(
             instance=instance,
             tags=tags,
@@ -364,19 +370,3 @@ def run_worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | N
     if health.status.name in ("FAILED", "NOT_FOUND"):  # dagster's WorkerStatus (not exported publicly)
         return f"Dagster's run monitoring found its worker {health.status.name}: {health.msg or 'no detail'}"
     return None
-
-
-def _metadata(result, asset: str) -> dict:
-    for event in result.get_asset_materialization_events():
-        mat = event.step_materialization_data.materialization
-        if mat.asset_key.to_user_string() == asset:
-            return {k: v.value for k, v in mat.metadata.items()}
-    return {}
-
-
-def _fmt_items(meta: dict, prefix: str) -> str:
-    return "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(meta.items()) if k.startswith(prefix) and k != "delta_version")
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

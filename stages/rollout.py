@@ -104,6 +104,7 @@ def generate_rollouts(
     use_ray: bool = True,
     local_worker: RolloutWorker | None = None,
     gpus: GpuPool = CPU_ONLY,
+    ask_trainer: bool = True,
 ) -> pd.DataFrame:
     """Generate over prompt_batch (prompt_id, prompt_token_ids, ...); one row per (prompt, sample) with
     rollout_id = position in (prompt_id, sample_index) order.
@@ -111,12 +112,14 @@ def generate_rollouts(
     With use_ray, contiguous shards go to the ranks of the "rollout" group (a killed worker: the group is
     rebuilt and the call retried once); else `local_worker` generates in this process (a fresh one,
     closed afterwards, when none is given). gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default
-    is a CPU run."""
+    is a CPU run. ask_trainer=False: the engines load the committed checkpoint instead of asking the trainer's
+    rank 0 for published weights (one_step_off: that rank is busy with the next update, and Ray runs an actor's
+    calls one at a time, so asking would wait for the update and undo the overlap)."""
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
     mt = resolved_multi_turn(rollout_cfg)
     if use_ray:
         shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
-        weights = published_weights(model_dir) if rollout_cfg.weight_sync == "object_store" else []
+        weights = published_weights(model_dir) if ask_trainer and rollout_cfg.weight_sync == "object_store" else []
         parts = call_with_retry(
             lambda: rollout_group(rollout_cfg, gpus),
             lambda g: g.call_each(
@@ -170,6 +173,7 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             max_tokens=cfg.data.max_response_length,
             seed=seeds.rollout(cfg.rollout.seed, iteration, r),
             gpus=GpuPool.of(cfg.trainer),
+            ask_trainer=cfg.trainer.async_mode == "sync",
         )
 
     fg = cfg.algorithm.filter_groups
@@ -200,5 +204,6 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             greedy=True,
             n=1,
             gpus=GpuPool.of(cfg.trainer),
+            ask_trainer=cfg.trainer.async_mode == "sync",
         ),
     )

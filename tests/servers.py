@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,24 +21,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stages.io.ports import free_ports
+
 ACCESS_KEY = "rlake-test-key"
 SECRET_KEY = "rlake-test-secret-4f1c"
 """The S3 server's only identity; a test passes them to processes by environment, never by config."""
 PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/17/bin")
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together, so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def stop_pid(proc: subprocess.Popen, *, grace_s: float = 10.0) -> None:

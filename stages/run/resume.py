@@ -133,17 +133,20 @@ def completed_iterations(metrics_uri: str, run_id: str, storage_options: dict | 
     return {int(i) for i in df["iteration"].unique()}
 
 
-def resume_point(done: set[int], versions: list[int]) -> tuple[bool, int]:
+def resume_point(done: set[int], versions: list[int], lag: int = 0) -> tuple[bool, int]:
     """(run_setup, start_iteration) from completed iterations and kept checkpoint versions.
 
-    The first iteration without metrics is k; it needs policy v_k. Roll back to the newest kept
-    version <= k (older iterations are re-run; their writes replace their partitions)."""
+    The first iteration without metrics is k; it needs policy v_k, and its rollouts need v_{k-lag}
+    (lag = trainer.policy_lag: 1 with one_step_off). Roll back to the newest kept version s <= k whose
+    sampling version max(s - lag, 0) is kept too (older iterations are re-run; their writes replace their
+    partitions)."""
     if SETUP_ITERATION not in done or 0 not in versions:
         return True, 0
     k = 0
     while k in done:
         k += 1
-    return False, max(v for v in versions if v <= k)
+    kept = set(versions)
+    return False, max(v for v in versions if v <= k and max(v - lag, 0) in kept)
 
 
 def find_resumable_run(
@@ -300,7 +303,7 @@ def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan
     done, versions = completed_iterations(metrics_uri, run_id, uris.storage_options(cfg)), ms.versions()
     if not done and not versions:
         return ResumePlan(run_id, 0, True, f"resume_mode=auto: run {run_id} does not exist yet: starting fresh")
-    setup, start = resume_point(done, versions)
+    setup, start = resume_point(done, versions, cfg.trainer.policy_lag)
     if not setup:
         start_dir = ms.fetch(start, needed_by="the resume checks")  # a remote root: this node's cached copy
         check_architecture(start_dir, cfg.model)

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from stages.io.ports import free_port
 from stages.workers.connect import ensure_ray, ensure_ray_for, settings
 from stages.workers.placement import (
     CPU_ONLY,
@@ -122,9 +122,7 @@ class Worker:
 
     def free_address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now: rank 0's TCPStore address on a cluster."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init_process_group(self, init_method: str) -> None:
         """Join the group's gloo/NCCL process group at `init_method` (file://... or tcp://host:port)."""

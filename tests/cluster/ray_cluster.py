@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers import free_ports, stop_pid
+from stages.io.ports import free_ports
+from tests.servers import stop_pid
 
 NODE_SCRIPT = Path(__file__).with_name("ray_node.py")
 ROOT = Path(__file__).resolve().parents[2]

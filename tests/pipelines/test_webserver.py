@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,18 +32,13 @@ import yaml
 
 from configs.schema import load_config
 from stages.io import store
+from stages.io.ports import free_port
 from stages.run.resume import read_trainer_state, trainer_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
 CI = ROOT / "configs" / "ci_tiny.yaml"
 A, B = "ui-a", "ui-b"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gql(port: int, query: str, variables: dict | None = None) -> dict:
@@ -242,7 +236,7 @@ class Cockpit:
 
 @pytest.fixture(scope="module")
 def cockpit(tmp_path_factory, ray_session):
-    port = _free_port()
+    port = free_port()
     tmp = tmp_path_factory.mktemp("cockpit")
     home = tmp / "dagster_home"
     home.mkdir()

@@ -5,18 +5,13 @@ update from, the UpdateRequest, the gloo ranks spawned on 127.0.0.1, and the out
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import torch
 
+from stages.io.ports import free_port
+
 N_PROMPTS, N_PER_PROMPT = 2, 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, req) -> None:

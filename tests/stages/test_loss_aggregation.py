@@ -9,8 +9,6 @@ milliseconds. The batch has rows of different lengths and one fully masked row (
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ActorConfig, CriticConfig, PolicyLossConfig
 from stages.algos.losses import LOSS_AGG_MODES, GlobalBatch, aggregate_loss, entropy_from_logits
+from stages.io.ports import free_port
 from stages.train.ppo_loop import MetricAccumulator, accumulate_grads, actor_loss, critic_loss, mean_over_workers
 
 N, L, V, D = 8, 6, 11, 5
@@ -133,12 +132,6 @@ def test_one_micro_batch_is_the_whole_batch_formula() -> None:
         assert float(aggregate_loss(ent, mask, mode, norm_length=L)) == pytest.approx(value, rel=1e-12)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -158,7 +151,7 @@ def test_loss_and_gradient_are_the_same_on_two_data_parallel_ranks(tmp_path) -> 
     loss metrics and gradient as one rank with the whole mini-batch in one micro-batch (the rank halves
     have different token and non-empty row counts: 10 tokens / 3 rows vs 17 / 4)."""
     out = tmp_path / "dp.pt"
-    mp.spawn(_dp_rank, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_dp_rank, args=(free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out)
     for role, mode, loss_mode in CASES:
         metrics, grad = got[(role, mode, loss_mode)]

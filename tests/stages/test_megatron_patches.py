@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+
+from stages.io.ports import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -74,9 +75,7 @@ def _probe(rank: int, world: int, port: int, exclude: tuple[str, ...], out: str)
 def run_probe(tmp_path, exclude: tuple[str, ...]) -> list[dict]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "probe")
     mp.spawn(_probe, args=(2, port, exclude, out), nprocs=2, join=True)
     return [json.loads(open(f"{out}.{r}").read()) for r in range(2)]

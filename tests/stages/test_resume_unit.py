@@ -76,6 +76,16 @@ def test_resume_point_rolls_back_to_the_newest_kept_checkpoint() -> None:
     assert resume_point({-1, 0, 1, 3}, [0, 1, 2, 3, 4]) == (False, 2)
 
 
+def test_one_step_off_resumes_where_the_sampling_version_is_kept_too() -> None:
+    # iterations 0..4 done, killed after v6 was written: iteration 5 needs v5 and its rollouts v4 (lag 1)
+    assert resume_point({-1, 0, 1, 2, 3, 4}, [0, 2, 4, 5, 6], lag=1) == (False, 5)
+    # kept 0, 2, 5, 6 (v4 lost): 5 needs v4 and 2 needs v1, neither kept -> 0; with v1 kept too -> 2
+    assert resume_point({-1, 0, 1, 2, 3, 4}, [0, 2, 5, 6], lag=1) == (False, 0)
+    assert resume_point({-1, 0, 1, 2, 3, 4}, [0, 1, 2, 5, 6], lag=1) == (False, 2)
+    # iteration 1 samples from v0 as iteration 0 does
+    assert resume_point({-1, 0}, [0, 1], lag=1) == (False, 1)
+
+
 def test_trainer_state_records_cursor_and_seeds(tmp_path) -> None:
     cfg = _cfg(tmp_path)
     st = trainer_state(cfg, "R", 3, num_train_prompts=20)
