@@ -59,6 +59,7 @@ def run_mode(config: str, mode: str, steps: int, out_dir: str, overrides: list[s
         "val": [_val(r) for r in rows],
         "setup_val": _val(res["setup"]),
         "timing_step_s": [float(r.get("timing_s/step", float("nan"))) for r in rows],
+        "timing_testing_s": [float(r.get("timing_s/testing", 0.0)) for r in rows],
     }
 
 

@@ -5,7 +5,8 @@
   flight at the same time, tagged with their phase and the policy version each used;
 - the terminal still gets `rlake train`'s own lines after the overlapping runs (each run captures fds 1/2);
 - a run SIGKILLed while iteration 2's generation runs beside iteration 1's update, then resumed with the same
-  command, ends with the same rows, metrics and weights as the uninterrupted run.
+  command, ends with the same rows, metrics and weights as the uninterrupted run;
+- `rlake replay` of an update whose rollouts trail it reproduces the logged update.
 """
 
 from __future__ import annotations
@@ -137,3 +138,13 @@ def test_killed_mid_overlap_and_resumed_matches_the_uninterrupted_run(reference,
     got, _ = load_policy(out / "checkpoints" / RUN / "policy_v3")
     for (name, x), y in zip(ref.state_dict().items(), got.state_dict().values(), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_replay_of_an_update_whose_rollouts_trail(reference, tmp_path) -> None:
+    """`rlake replay` of iteration 2 (rollouts from v1, update of v2) reproduces the logged update and v3."""
+    cmd = [sys.executable, "-m", "pipelines.cli", "replay", "--config", "configs/ci_tiny.yaml", "--run-id", RUN]
+    cmd += ["--iteration", "2", "--scratch", str(tmp_path / "scratch"), *SETS, f"trainer.output_dir={reference}"]
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "replay of run O iteration 2" in done.stdout and " NO" not in done.stdout, done.stdout
