@@ -26,11 +26,12 @@ step in the same kind of lane as one log-softmax over all the steps does."""
 
 def sampled_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
     """(batch, steps) log-prob of each generated token under the processed scores it was sampled from: the
-    values of `compute_transition_scores(sequences, scores, normalize_logits=True)` bit for bit
-    (tests/stages/test_hf_engine.py), without the copy of every step's scores into one (batch, vocab, steps)
-    tensor it makes, the slowest part of a rollout's logprobs on a large vocabulary (1.4-2.7x less time on
-    SmolLM2's 49k, measured on a loaded 2-core CPU). scores: generate's per-step (batch, vocab) processed
-    scores; tokens: the (batch, steps) tokens generated."""
+    values of `compute_transition_scores(sequences, scores, normalize_logits=True)`, bit for bit on CPU
+    (tests/stages/test_hf_engine.py) and within 9.5e-7 on an H200 (bench/device/check_sampled_logprobs.py;
+    CUDA's log-softmax of a 16-step block reduces in another order), without the copy of every step's scores
+    into one (batch, vocab, steps) tensor it makes, the slowest part of a rollout's logprobs on a large
+    vocabulary (1.4-2.7x less time on SmolLM2's 49k, measured on a loaded 2-core CPU). scores: generate's
+    per-step (batch, vocab) processed scores; tokens: the (batch, steps) tokens generated."""
     out = []
     for start in range(0, len(scores), LOGPROB_BLOCK):
         block = torch.stack(scores[start : start + LOGPROB_BLOCK], dim=-1)  # (batch, vocab, steps), as HF lays it
