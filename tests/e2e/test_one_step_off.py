@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stages.io import store
-from tests.e2e.test_resume import _kill_run, _tail, _wait_until
+from tests.e2e.test_resume import _has, _kill_run, _tail, _wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,16 +44,6 @@ def _launch(out: Path) -> subprocess.Popen:
     )
 
 
-def _has(out: Path, table: str, it: int) -> bool:
-    uri = str(out / "tables" / table)
-    if not store.table_exists(uri):
-        return False
-    try:
-        return len(store.read_partition(uri, RUN, it, columns=["iteration"])) > 0
-    except (LookupError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one_step_off") / "reference"
@@ -68,7 +58,7 @@ def killed_and_resumed(tmp_path_factory) -> Path:
     started = (out / "tables" / "prompt_batches" / f"run_id={RUN}" / "iteration=2").is_dir
     _wait_until(proc, out, started, "iteration 2's generation")
     _kill_run(proc)
-    assert not _has(out, "iteration_metrics", 1), "the kill came too late: iteration 1's update had finished"
+    assert not _has(out, "iteration_metrics", 1, RUN), "the kill came too late: iteration 1's update had finished"
     assert _launch(out).wait(timeout=600) == 0, _tail(out)
     return out
 

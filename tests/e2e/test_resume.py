@@ -92,12 +92,13 @@ def _wait_until(proc: subprocess.Popen, out: Path, cond, what: str, timeout: flo
         time.sleep(poll)
 
 
-def _has(out: Path, table: str, it: int) -> bool:
+def _has(out: Path, table: str, it: int, run: str = RUN) -> bool:
+    """Whether run `run`'s table `table` under `out` has rows of iteration `it` (False while it is being made)."""
     uri = str(out / "tables" / table)
     if not store.table_exists(uri):
         return False
     try:
-        return len(store.read_partition(uri, RUN, it, columns=["iteration"])) > 0
+        return len(store.read_partition(uri, run, it, columns=["iteration"])) > 0
     except (LookupError, OSError):
         return False
 
