@@ -697,7 +697,7 @@ class TrainerConfig(_Strict):
 
     def rollout_version(self, iteration: int) -> int:
         """The policy version that samples iteration `iteration`'s rollouts (see async_mode)."""
-        return iteration if self.async_mode == "sync" else max(iteration - 1, 0)
+        return max(iteration - self.policy_lag, 0)
 
     @property
     def policy_lag(self) -> int:

@@ -164,6 +164,7 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
     """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full; with
     adv_estimator='remax' plus one greedy baseline row per generated prompt (add_greedy_baselines).
     batch: a prompt_batches partition with group_id and policy_version set."""
+    ask_trainer = cfg.trainer.policy_lag == 0  # one_step_off: the trainer's rank 0 is busy (generate_rollouts)
 
     def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
         return generate_rollouts(
@@ -173,7 +174,7 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             max_tokens=cfg.data.max_response_length,
             seed=seeds.rollout(cfg.rollout.seed, iteration, r),
             gpus=GpuPool.of(cfg.trainer),
-            ask_trainer=cfg.trainer.async_mode == "sync",
+            ask_trainer=ask_trainer,
         )
 
     fg = cfg.algorithm.filter_groups
@@ -204,6 +205,6 @@ def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iter
             greedy=True,
             n=1,
             gpus=GpuPool.of(cfg.trainer),
-            ask_trainer=cfg.trainer.async_mode == "sync",
+            ask_trainer=ask_trainer,
         ),
     )

@@ -22,6 +22,7 @@ import torch
 
 from stages.io import store
 from tests.e2e.test_resume import _has, _kill_run, _tail, _wait_until
+from tests.e2e.test_resume import _launch as launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +33,7 @@ EXPECTED_VERSIONS = {0: 0, 1: 0, 2: 1}
 
 
 def _launch(out: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
-    log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(
-        CMD + SETS + [f"trainer.output_dir={out}"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return launch(out, CMD + SETS)
 
 
 @pytest.fixture(scope="module")

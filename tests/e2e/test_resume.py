@@ -35,11 +35,12 @@ EXECUTION_METRICS = ("actor/weights_loaded_from_disk",)
 """How an iteration ran, not what it computed (a resumed update loads the policy from disk): not compared."""
 
 
-def _launch(out: Path) -> subprocess.Popen:
+def _launch(out: Path, cmd: list[str] = CMD) -> subprocess.Popen:
+    """`cmd` (a `rlake train` command line) with output_dir `out`, in a new session, logging to <out>.log."""
     env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}  # the run's own output_dir/dagster_home
     log = open(out.parent / f"{out.name}.log", "ab")
     return subprocess.Popen(
-        CMD + [f"trainer.output_dir={out}"],
+        cmd + [f"trainer.output_dir={out}"],
         cwd=ROOT,
         env=env,
         stdout=log,
