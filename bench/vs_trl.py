@@ -24,9 +24,12 @@ seconds; rlake: rollout stage seconds, actor start-up included) and the mean tra
 Start-up (TRL: model load + trainer construction; rlake: set-up job = ingest, policy v0, validation)
 is reported on its own, and the total wall time of each process as well.
 
-TRL lives in its own venv so the main environment's transformers 5.2 / torch 2.13 stay as they are
+`--seed S` is both systems' seed: TRL's `seed` (its sampling and everything else) and rlake's `seed` and
+`rollout.seed` (rlake samples with `rollout.seed`; `seed` orders the mini-batches, one here).
+
+TRL lives in its own venv so the main environment's locked transformers / torch stay as they are
 (trl 1.16.0 requires transformers >= 4.56.2, accelerate >= 1.10.1, datasets >= 4.7; it imports with
-transformers 5.2.0 here):
+the lock's transformers 5.19.0 here):
 
     python -m venv --system-site-packages .venv-trl
     pip freeze | grep -v '^-e' > /tmp/constraints.txt       # keep every system package's version
@@ -212,6 +215,7 @@ def run_rlake(args: argparse.Namespace, train: str, val: str, model: str) -> dic
         "actor.use_kl_loss=false",
         "actor.loss_agg_mode=token-mean",
         f"seed={args.seed}",
+        f"rollout.seed={args.seed}",  # rlake samples with rollout.seed; `seed` alone leaves the samples as they are
         "trainer.total_training_steps=1000",
         "trainer.test_freq=0",
         f"trainer.save_freq={args.iterations}",
