@@ -10,6 +10,10 @@ wall time, each iteration's wall time as `rlake train` prints it (in one_step_of
 plus waiting for the generation of i+1 beside it; the first generation is outside every iteration), and per
 iteration the training reward (critic/score/mean) and the greedy validation reward where the iteration
 validated. Then a markdown table of both, side by side. Measurement only: it changes nothing.
+
+`--modes one_step_off` runs one mode alone (a 10-iteration SmolLM2 pair takes about 70 minutes on an AMD EPYC
+with AVX-512 and about 3.5 hours without it); each result names the CPU it ran on, and only results from one
+CPU model compare.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -53,14 +58,35 @@ def run_mode(config: str, mode: str, steps: int, out_dir: str, overrides: list[s
     rows = res["iterations"]
     return {
         "mode": mode,
+        "cpu": cpu(),
         "train_s": train_s,
         "iteration_s": progress.walls,
         "reward": [float(r.get("critic/score/mean", float("nan"))) for r in rows],
         "val": [_val(r) for r in rows],
         "setup_val": _val(res["setup"]),
         "timing_step_s": [float(r.get("timing_s/step", float("nan"))) for r in rows],
-        "timing_testing_s": [float(r.get("timing_s/testing", 0.0)) for r in rows],
+        "timing_testing_s": testing_seconds(out_dir, len(rows)),
     }
+
+
+def testing_seconds(out_dir: str, n: int) -> list[float]:
+    """timing_s/testing (the validation's seconds, 0 where the iteration did not validate) of iterations 0..n-1,
+    from the run's iteration_metrics table (the materialization metadata does not carry it)."""
+    from deltalake import DeltaTable
+
+    df = DeltaTable(str(Path(out_dir) / "tables" / "iteration_metrics")).to_pandas(
+        columns=["iteration", "metric", "value"]
+    )
+    got = df[df["metric"] == "timing_s/testing"].groupby("iteration")["value"].last()
+    return [float(got.get(i, 0.0)) for i in range(n)]
+
+
+def cpu() -> str:
+    """The CPU model, its core count and whether it has AVX-512 (which decides these times on a CPU)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    avx512 = "with AVX-512" if " avx512f" in info else "without AVX-512"
+    return f"{model or platform.processor()}, {os.cpu_count()} cores, {avx512}"
 
 
 def _val(meta: dict) -> float | None:
@@ -71,10 +97,10 @@ def _val(meta: dict) -> float | None:
     return None
 
 
-def measure(config: str, steps: int, overrides: list[str], workdir: str) -> list[dict]:
-    """Both modes, one fresh process each, one after the other."""
+def measure(config: str, steps: int, overrides: list[str], workdir: str, modes=MODES) -> list[dict]:
+    """Each of `modes`, one fresh process each, one after the other."""
     results = []
-    for mode in MODES:
+    for mode in modes:
         out = Path(workdir) / mode
         dump = Path(workdir) / f"{mode}.json"
         cmd = [sys.executable, __file__, "--one", mode, "--config", config, "--steps", str(steps)]
@@ -115,6 +141,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], help="a config override for both modes (key=value)")
     ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes to run (default both)")
     ap.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -123,7 +150,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(run_mode(args.config, args.one, args.steps, args.out_dir, args.set)))
         return
     with tempfile.TemporaryDirectory(prefix="rlake-one-step-off-") as tmp:
-        results = measure(args.config, args.steps, args.set, tmp)
+        results = measure(args.config, args.steps, args.set, tmp, args.modes)
+    print("CPU: " + "; ".join(sorted({r["cpu"] for r in results})))
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
