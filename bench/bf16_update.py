@@ -40,6 +40,7 @@ from stages.algos.advantages import compute_grpo_advantages
 from stages.data.word_problems import generate_word_problem_task
 from stages.models.policy import encode_chat, load_policy
 from stages.models.smollm2 import resolve_model_path
+from stages.run.machine import cpu_flags, cpu_model
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import actor_batch, logprob_temperature
 from stages.train.optim import make_optimizer
@@ -74,10 +75,7 @@ def make_rows(cfg: RunConfig, tok, n_prompts: int, n_samples: int, max_response:
 
 def cpu_facts() -> dict:
     """The CPU's model name and whether it has bf16 matmul instructions (avx512_bf16, AMX), from /proc/cpuinfo."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return {"cpu": model, "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})}
+    return {"cpu": cpu_model(), "bf16_flags": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "amx_tile"})}
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:

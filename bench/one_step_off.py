@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ def run_mode(config: str, mode: str, steps: int, out_dir: str, overrides: list[s
     """Train `steps` iterations of `config` with trainer.async_mode=`mode` in this process; what it measured."""
     from pipelines.progress import RunProgress
     from pipelines.runner import run_training
+    from stages.run.machine import cpu_description
 
     class Timed(RunProgress):
         def __init__(self) -> None:
@@ -58,7 +58,7 @@ def run_mode(config: str, mode: str, steps: int, out_dir: str, overrides: list[s
     rows = res["iterations"]
     return {
         "mode": mode,
-        "cpu": cpu(),
+        "cpu": cpu_description(),
         "train_s": train_s,
         "iteration_s": progress.walls,
         "reward": [float(r.get("critic/score/mean", float("nan"))) for r in rows],
@@ -79,14 +79,6 @@ def testing_seconds(out_dir: str, n: int) -> list[float]:
     )
     got = df[df["metric"] == "timing_s/testing"].groupby("iteration")["value"].last()
     return [float(got.get(i, 0.0)) for i in range(n)]
-
-
-def cpu() -> str:
-    """The CPU model, its core count and whether it has AVX-512 (which decides these times on a CPU)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    avx512 = "with AVX-512" if " avx512f" in info else "without AVX-512"
-    return f"{model or platform.processor()}, {os.cpu_count()} cores, {avx512}"
 
 
 def _val(meta: dict) -> float | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import subprocess
@@ -154,24 +153,13 @@ def environment() -> dict:
         except PackageNotFoundError:
             pass
     from stages.io.store import code_version  # the commit every Delta write records (+dirty when modified)
+    from stages.run.machine import cpu_description
 
-    cpu = (
-        next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")
-            ),
-            platform.processor(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.processor()
-    )
     return {
         "packages": packages,
         "commit": code_version(),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": f"{cpu_description()}, Python {platform.python_version()}",
     }
 
 
