@@ -12,7 +12,7 @@ iteration the training reward (critic/score/mean) and the greedy validation rewa
 validated. Then a markdown table of both, side by side. Measurement only: it changes nothing.
 
 `--modes one_step_off` runs one mode alone (a 10-iteration SmolLM2 pair takes about 70 minutes on an AMD EPYC
-with AVX-512 and about 3.5 hours without it); each result names the CPU it ran on, and only results from one
+with AVX-512 and about 4 hours with AVX2 only); each result names the CPU it ran on, and only results from one
 CPU model compare.
 """
 

@@ -1,8 +1,8 @@
 """The CPU a run's numbers came from: its model name and its widest vector instructions.
 
 Two CPUs that print the same model name ("AMD EPYC") can round floats differently and run several times
-apart: with AVX-512 the SmolLM2 iteration took 193 s, on AVX2 alone 500-700 s, and the README's main-job
-table differs between them (docs/reproducibility.md). So every table of numbers names both.
+apart: a SmolLM2 iteration took 186-192 s with AVX-512 and 489-537 s with AVX2 only, and the README's main-job
+table differs between them (README). So every table of numbers names both.
 """
 
 from __future__ import annotations
