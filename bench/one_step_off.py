@@ -13,7 +13,7 @@ validated. Then a markdown table of both, side by side. Measurement only: it cha
 
 `--modes one_step_off` runs one mode alone (a 10-iteration SmolLM2 pair takes about 70 minutes on an AMD EPYC
 with AVX-512 and about 4 hours with AVX2 only); each result names the CPU it ran on, and only results from one
-CPU model compare.
+kind of CPU (model and vector instructions) compare.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ def vector_isa(flags: set[str]) -> str:
 
 def cpu_description(info: str | None = None) -> str:
     """'<model> (<vector ISA>), <n> cores', e.g. 'AMD EPYC (AVX2), 2 cores'."""
+    info = _read() if info is None else info
     isa = vector_isa(cpu_flags(info))
     return f"{cpu_model(info)}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores"
 
