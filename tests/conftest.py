@@ -17,6 +17,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+FIRST = (
+    "tests/pipelines/test_webserver.py",
+    "tests/e2e/test_resume.py",
+    "tests/e2e/test_one_step_off.py",
+    "tests/e2e/test_main_job.py",
+    "tests/e2e/test_algorithms.py",
+    "tests/stages/test_placement.py",
+    "tests/e2e/test_multiturn_train.py",
+    "tests/e2e/test_grpo_iteration.py",
+    "tests/e2e/test_replay.py",
+    "tests/e2e/test_rescore.py",
+    "tests/pipelines/test_recorded_versions.py",
+    "tests/stages/test_fsdp_backend.py",
+    "tests/e2e/test_vllm_train.py",
+    "tests/pipelines/test_cli_train.py",
+)
+"""The longest modules (docs/testing.md), started first so that `-n 2` (scripts/test.sh) ends with short ones on
+both workers instead of one long module on one."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Start the longest modules first (FIRST); each module's tests stay together."""
+    rank = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(FIRST)))  # stable: the rest keep order
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -24,7 +49,15 @@ def ray_session():
 
     if not ray.is_initialized():
         # the namespace stages.workers.group.ensure_ray gives a local cluster (named, detached worker actors)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="rlake")
+        # address="local": a new cluster of this process, never a cluster another test (or xdist worker) started
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            namespace="rlake",
+        )
     yield ray
     ray.shutdown()
 
@@ -72,3 +105,27 @@ def postgres_server(tmp_path_factory):
     server = start_postgres(tmp_path_factory.mktemp("pg"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ci_tiny_pristine(tmp_path_factory, ray_session) -> tuple[Path, dict]:
+    """The shared 2-iteration ci_tiny run (tests/shared_run.py), trained once per test session even under
+    pytest-xdist: the first worker that needs it trains it under a file lock in the directory all workers share,
+    the other reuses it. Never modified: modules use `ci_tiny_run`, their own copy."""
+    from tests.shared_run import shared_pristine
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-N: the session's directory, above each worker's
+    return shared_pristine(root / "ci_tiny_shared")
+
+
+@pytest.fixture(scope="module")
+def ci_tiny_run(ci_tiny_pristine, tmp_path_factory, request) -> tuple[Path, dict]:
+    """(this module's own copy of the shared ci_tiny run, the run's summary), DAGSTER_HOME set to the copy's."""
+    from tests.shared_run import copy_run
+
+    pristine, summary = ci_tiny_pristine
+    out = copy_run(pristine, tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "run")
+    yield out, summary
+    os.environ.pop("DAGSTER_HOME", None)

@@ -11,6 +11,7 @@ for values near 0), to absorb a different thread count or BLAS build.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from configs.schema import RunConfig
 from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
+from stages.run.resume import STATE_FILE, resume_hash
 from stages.update import run_update, update_request
 from stages.workers.group import ensure_ray_for, existing_workers, gc_run
 
@@ -130,18 +132,27 @@ def compare_weights(replayed: Path | dict, stored: Path) -> tuple[float, float]:
     return max_abs, max_rel
 
 
+def _check_same_config(cfg: RunConfig, ms: ModelStore, iteration: int, lineage_hash: str) -> None:
+    """Raise unless cfg computes what the run computed. The start checkpoint's trainer state records resume_hash
+    (the config minus where outputs go and how long the run is), so a moved or copied output directory replays;
+    a checkpoint without one is compared by the lineage's config_hash."""
+    state = ms.read_file(iteration, STATE_FILE)
+    recorded = json.loads(state).get("resume_hash") if state else None
+    theirs, ours = (recorded, resume_hash(cfg)) if recorded else (lineage_hash, cfg.config_hash())
+    if theirs != ours:
+        raise ValueError(
+            f"the config given (hash {ours}) is not the one run '{cfg.run_id}' trained "
+            f"with (hash {theirs}), so the replay would not reproduce its update; pass the run's "
+            "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)"
+        )
+
+
 def replay_update(
     cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rtol: float = REPLAY_RTOL, atol: float = REPLAY_ATOL
 ) -> ReplayReport:
     """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare (the
     policy_checkpoint asset's request builder and update function, stages.update)."""
     adv_version, logged, cfg_hash = recorded_inputs(cfg, iteration)
-    if cfg_hash != cfg.config_hash():
-        raise ValueError(
-            f"the config given (hash {cfg.config_hash()}) is not the one run '{cfg.run_id}' trained "
-            f"with (hash {cfg_hash}), so the replay would not reproduce its update; pass the run's "
-            "--config and the same key=value overrides (its config.yaml is logged to the MLflow run)"
-        )
     ms = ModelStore.for_config(cfg)
     if iteration not in ms.versions():
         raise FileNotFoundError(
@@ -149,6 +160,7 @@ def replay_update(
             f"(kept: {ms.versions()}); trainer.save_freq={cfg.trainer.save_freq} keeps every save_freq-th version "
             "plus the newest two, so replay an iteration whose version is kept or train with trainer.save_freq=1"
         )
+    _check_same_config(cfg, ms, iteration, cfg_hash)
     scratch = Path(scratch_dir).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     req = update_request(

@@ -11,22 +11,15 @@ from mlflow.tracking import MlflowClient
 from stages.io import store
 from stages.io.tables import SCHEMAS
 from stages.models.policy import load_policy
+from tests.shared_run import RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 TABLES = ("prompts", "prompt_batches", "rollouts", "old_logprobs", "scored_rollouts", "advantages", "iteration_metrics")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_session):
-    import os
-
-    from pipelines.runner import run_training
-
-    out = tmp_path_factory.mktemp("e2e")
-    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
-    summary = run_training("configs/ci_tiny.yaml", [f"trainer.output_dir={out}"], run_id="e2e-run", log=lambda s: None)
-    yield out, summary
-    os.environ.pop("DAGSTER_HOME", None)
+def trained(ci_tiny_run):
+    return ci_tiny_run
 
 
 def test_every_table_has_schema_rows_and_lineage(trained) -> None:
@@ -36,18 +29,18 @@ def test_every_table_has_schema_rows_and_lineage(trained) -> None:
         uri = str(out / "tables" / name)
         dt = DeltaTable(uri)
         assert dt.schema().to_arrow().names == SCHEMAS[name].names, name
-        commits = store.commit_lineage(uri, run_id="e2e-run")
+        commits = store.commit_lineage(uri, run_id=RUN)
         assert commits, name
         for c in commits:
             assert c["code_version"] and c["config_hash"] and "upstream" in c and c["table"] == name
             cfg_hash = cfg_hash or c["config_hash"]
             assert c["config_hash"] == cfg_hash
     for it in (0, 1):
-        rollouts = store.read_partition(str(out / "tables" / "rollouts"), "e2e-run", it)
+        rollouts = store.read_partition(str(out / "tables" / "rollouts"), RUN, it)
         assert len(rollouts) == 8 * 4 and set(rollouts["policy_version"]) == {it}
-        (c,) = store.commit_lineage(str(out / "tables" / "advantages"), run_id="e2e-run", iteration=it)
+        (c,) = store.commit_lineage(str(out / "tables" / "advantages"), run_id=RUN, iteration=it)
         read = {
-            name: store.commit_lineage(str(out / "tables" / name), run_id="e2e-run", iteration=it)[0]["version"]
+            name: store.commit_lineage(str(out / "tables" / name), run_id=RUN, iteration=it)[0]["version"]
             for name in ("scored_rollouts", "old_logprobs")
         }
         assert c["upstream"] == read and c["policy_version"] == str(it)
@@ -55,14 +48,14 @@ def test_every_table_has_schema_rows_and_lineage(trained) -> None:
 
 def test_advantages_are_group_relative(trained) -> None:
     out, _ = trained
-    adv = store.read_partition(str(out / "tables" / "advantages"), "e2e-run", 0)
+    adv = store.read_partition(str(out / "tables" / "advantages"), RUN, 0)
     sums = adv.groupby("group_id")["advantage"].sum()
     assert (sums.abs() < 1e-4).all()
 
 
 def test_policy_moved_and_checkpoints_are_hf(trained) -> None:
     out, _ = trained
-    ckpts = out / "checkpoints" / "e2e-run"
+    ckpts = out / "checkpoints" / RUN
     v0, _ = load_policy(ckpts / "policy_v0")
     v2, _ = load_policy(ckpts / "policy_v2")
     unchanged = [k for (k, a), b in zip(v0.state_dict().items(), v2.state_dict().values()) if torch.equal(a, b)]
@@ -74,7 +67,7 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     out, summary = trained
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     exp = client.get_experiment_by_name("rlake-ci")
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`rlake.run_id` = 'e2e-run'")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`rlake.run_id` = '{RUN}'")
     assert run.data.params["rollout.n"] == "4" and run.data.params["algorithm.adv_estimator"] == "grpo"
     for key in (
         "critic/score/mean",
@@ -102,7 +95,7 @@ def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
     out, _ = trained
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     exp = client.get_experiment_by_name("rlake-ci")
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`rlake.run_id` = 'e2e-run'")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`rlake.run_id` = '{RUN}'")
     assert run.info.status == "FINISHED"  # the last iteration ended it
     inputs = {}
     for di in run.inputs.dataset_inputs:
@@ -110,7 +103,7 @@ def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
         inputs[(int(tags["rlake.iteration"]), tags["mlflow.data.context"])] = int(tags["rlake.delta_version"])
     for it in (0, 1):
         for name in ("prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics"):
-            (c,) = store.commit_lineage(str(out / "tables" / name), run_id="e2e-run", iteration=it)
+            (c,) = store.commit_lineage(str(out / "tables" / name), run_id=RUN, iteration=it)
             assert inputs[(it, name)] == c["version"], (it, name)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert "validation_curve.png" in artifacts
@@ -134,7 +127,7 @@ def test_sql_over_the_run_tables(trained) -> None:
     df = query(
         out / "tables",
         "SELECT iteration, count(*) AS n, avg(reward) AS r FROM scored_rollouts "
-        "WHERE run_id = 'e2e-run' GROUP BY iteration ORDER BY iteration",
+        f"WHERE run_id = '{RUN}' GROUP BY iteration ORDER BY iteration",
     )
     assert df["iteration"].tolist() == [0, 1] and df["n"].tolist() == [32, 32]
     v0 = query(out / "tables", "SELECT count(*) AS n FROM rollouts", versions={"rollouts": 0})

@@ -4,7 +4,6 @@ and the stored next checkpoint (measured: bitwise on CPU), and says so, or why n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -12,21 +11,16 @@ import pytest
 from pipelines.cli import main
 from stages.io import store
 from stages.run.replay import REPLAY_RTOL
+from tests.shared_run import CONFIG, RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-RUN = "replay-run"
-CONFIG = "configs/ci_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_session):
-    from pipelines.runner import run_training
-
-    out = tmp_path_factory.mktemp("replay")
-    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
-    run_training(CONFIG, [f"trainer.output_dir={out}", "trainer.save_freq=1"], run_id=RUN, log=lambda s: None)
-    yield out
-    os.environ.pop("DAGSTER_HOME", None)
+def trained(ci_tiny_run):
+    """This module's copy of the shared ci_tiny run (tests/shared_run.py)."""
+    out, _ = ci_tiny_run
+    return out
 
 
 def _replay(out, *extra: str) -> list[str]:
@@ -74,7 +68,7 @@ def test_replay_reproduces_logged_update_metrics_and_weights(trained, capsys) ->
 def test_replay_needs_the_run_config_and_the_kept_checkpoint(trained, capsys) -> None:
     out = trained
     assert main(_replay(out, "actor.optim.lr=0.5")) == 2
-    assert "is not the one run 'replay-run' trained with" in capsys.readouterr().err
+    assert f"is not the one run '{RUN}' trained with" in capsys.readouterr().err
     start = out / "checkpoints" / RUN / "policy_v1"
     shutil.move(start, out / "aside")
     try:

@@ -4,7 +4,6 @@ changed rows; a partition that was never scored is a what/why/fix error with exi
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -14,21 +13,16 @@ import pytest
 from pipelines.cli import main
 from stages.io import store
 from stages.io.sql import query
+from tests.shared_run import CONFIG, RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-RUN = "rescore-run"
-CONFIG = "configs/ci_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_session):
-    from pipelines.runner import run_training
-
-    out = tmp_path_factory.mktemp("rescore")
-    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
-    run_training(CONFIG, [f"trainer.output_dir={out}"], run_id=RUN, log=lambda s: None)
-    yield out
-    os.environ.pop("DAGSTER_HOME", None)
+def trained(ci_tiny_run):
+    """This module's copy of the shared ci_tiny run (tests/shared_run.py)."""
+    out, _ = ci_tiny_run
+    return out
 
 
 def _uri(out, table: str) -> str:
@@ -83,8 +77,8 @@ def test_rescore_of_a_partition_never_scored_says_why(trained, capsys) -> None:
     code = main(["rescore", "--config", CONFIG, "--run-id", RUN, "--iteration", "7", f"trainer.output_dir={trained}"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "no scored_rollouts for run 'rescore-run' iteration 7" in err
-    assert "runs there: ['rescore-run']" in err and "--iteration" in err
+    assert f"no scored_rollouts for run '{RUN}' iteration 7" in err
+    assert f"runs there: ['{RUN}']" in err and "--iteration" in err
 
 
 def _judge_overrides(out, regex: str) -> list[str]:

@@ -7,7 +7,6 @@ re-materializations of partition 0 with dg.materialize on the same Dagster insta
 from __future__ import annotations
 
 import hashlib
-import os
 
 import dagster as dg
 import pandas as pd
@@ -16,21 +15,16 @@ import pytest
 from configs.schema import load_config
 from stages.io import store
 from stages.io.sql import query
+from tests.shared_run import CONFIG, RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-RUN = "rv-run"
-CONFIG = "configs/ci_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, ray_session):
-    from pipelines.runner import run_training
-
-    out = tmp_path_factory.mktemp("recorded")
-    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
-    run_training(CONFIG, [f"trainer.output_dir={out}"], run_id=RUN, log=lambda s: None)
-    yield out, dg.DagsterInstance.get()
-    os.environ.pop("DAGSTER_HOME", None)
+def run(ci_tiny_run):
+    """This module's copy of the shared ci_tiny run (tests/shared_run.py)."""
+    out, _ = ci_tiny_run
+    return out, dg.DagsterInstance.get()
 
 
 def _materialize(
