@@ -12,6 +12,7 @@ the Dagster UI.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 import dagster as dg
@@ -46,6 +47,8 @@ class RescoreReport:
     advantages_version: int | None
     versioned: bool = True
     """Both versions have reward_version (tables written before it have reward_fn only)."""
+    tables: str = ""
+    """The tables root the rescore wrote to: the printed `rlake sql` names it (--tables), so it runs as pasted."""
 
     def table(self) -> str:
         """The report as lines for the terminal, ending with the SQL that lists the changed rows."""
@@ -65,8 +68,9 @@ class RescoreReport:
         which = (
             "b.reward_version AS version_before, s.reward_version AS version_after" if self.versioned else "s.reward_fn"
         )
+        where = f"--tables {shlex.quote(self.tables)} " if self.tables else ""
         return (
-            f"rlake sql --version old:scored_rollouts={self.before_version} "
+            f"rlake sql {where}--version old:scored_rollouts={self.before_version} "
             f'"SELECT s.rollout_id, b.reward AS reward_before, s.reward AS reward_after, {which} '
             "FROM scored_rollouts s JOIN old b USING (run_id, iteration, rollout_id) "
             f"WHERE s.run_id = '{self.run_id}' AND s.iteration = {self.iteration} "
@@ -135,4 +139,5 @@ def rescore(cfg: RunConfig, iteration: int, *, advantages: bool = False) -> Resc
         rewards_after=_reward_names(new),
         advantages_version=int(adv[0]["version"]) if adv else None,
         versioned="reward_version" in old.columns and "reward_version" in new.columns,
+        tables=str(uris.normalize(uris.tables_root(cfg))),
     )

@@ -5,6 +5,7 @@ changed rows; a partition that was never scored is a what/why/fix error with exi
 from __future__ import annotations
 
 import re
+import shlex
 
 import numpy as np
 import pandas as pd
@@ -64,6 +65,12 @@ def test_rescore_writes_one_partition_with_the_new_reward(trained, capsys) -> No
     assert f"--version old:scored_rollouts={before0}" in printed
     sql = printed.split("--version old:scored_rollouts=", 1)[1].split(" ", 1)[1].strip().strip('"')
     rows = query(out / "tables", sql, {"old:scored_rollouts": before0})
+    # the printed command runs as pasted, from any directory: it names the run's tables (--tables)
+    (command,) = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("the changed rows: ")]
+    argv = shlex.split(command)
+    assert argv[:3] == ["rlake", "sql", "--tables"] and argv[3] == str(out / "tables")
+    assert main(argv[1:]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + changed  # the header and the changed rows
     assert len(rows) == changed and (rows["reward_after"] != rows["reward_before"]).all()
     # the built-in scorer's version (its source did not change) scored both; the config change is in lineage
     assert set(rows["version_before"]) == set(rows["version_after"]) == set(new0["reward_version"])
