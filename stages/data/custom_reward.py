@@ -15,7 +15,9 @@ reward_kwargs), and the call and return-value contract they share with installed
   the picklable RewardStage, and each Ray worker process execs it once into a fresh module, so the file
   need not exist on other nodes. Imports of installed packages work; relative imports and sibling files of
   the reward file do not (the module has no package and its directory is not on sys.path).
-- Version: `<file name>:<function>@<sha256 of the source text, 12 hex>`, the reward_version column.
+- Version: `<file name>:<function>@<sha256 of the source text, 12 hex>`, the reward_version column; with
+  reward_kwargs set, `+kwargs@<sha256 of their canonical JSON, 12 hex>` is appended, because the kwargs change
+  the scores as much as the source does (`canonical_kwargs`: sorted keys, no spaces).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def source_version(where: str, function: str, source: str | bytes) -> str:
     return f"{where}:{function}@{hashlib.sha256(data).hexdigest()[:12]}"
 
 
+def canonical_kwargs(kwargs: Mapping[str, Any]) -> str:
+    """reward_kwargs as canonical JSON (sorted keys, no spaces): equal kwargs, equal text, whatever the order
+    they were written in; a value JSON cannot hold (a YAML date) is written as its str()."""
+    return json.dumps(kwargs, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
 @dataclass(frozen=True)
 class CustomReward:
     """A user reward function as its source text: picklable, so it ships to Ray workers on any node."""
@@ -67,7 +75,12 @@ class CustomReward:
 
     @property
     def version(self) -> str:
-        return source_version(Path(self.path).name, self.name, self.source)
+        """The reward_version column: the source's version, plus the reward_kwargs' hash when there are any."""
+        version = source_version(Path(self.path).name, self.name, self.source)
+        if not self.reward_kwargs:
+            return version  # the same version as before reward_kwargs counted
+        digest = hashlib.sha256(canonical_kwargs(self.reward_kwargs).encode()).hexdigest()[:12]
+        return f"{version}+kwargs@{digest}"
 
     @property
     def label(self) -> str:

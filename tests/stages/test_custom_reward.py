@@ -105,7 +105,8 @@ def test_custom_function_scores_in_ray_tasks_from_shipped_source(tmp_path, ray_s
     assert out["idx"].tolist() == [100 + i for i in range(12)]  # extra_info arrived as a dict
     assert out["reward_extra_keys"].tolist() == [["format_ok", "idx", "pid"]] * 12
     assert set(out["reward_fn"]) == {"format_reward.compute_score"}
-    assert set(out["reward_version"]) == {f"format_reward.py:compute_score@{_sha12(FORMAT_REWARD)}"}
+    kwargs = _sha12('{"bonus":0.5}')  # reward_kwargs change the scores, so they are part of the version
+    assert set(out["reward_version"]) == {f"format_reward.py:compute_score@{_sha12(FORMAT_REWARD)}+kwargs@{kwargs}"}
     assert out["reward_error"].isna().all()
 
 
@@ -177,6 +178,33 @@ def test_a_plain_float_return_has_no_extra_columns_and_the_version_follows_the_s
     path.write_text(src.replace("return 1", "return 2"))
     again = score_rollouts(_rollouts(2), _cfg(path), use_ray=False)
     assert set(again["reward_version"]) != set(out["reward_version"]) and again["reward"].tolist() == [2.0, 2.0]
+
+
+def test_the_version_follows_reward_kwargs_in_canonical_json(tmp_path) -> None:
+    """Same source, other reward_kwargs, other scores: another reward_version; the same kwargs written in
+    another order: the same version; none: the source's version alone (as before kwargs counted)."""
+    path = _write(tmp_path, "format_reward.py", FORMAT_REWARD)
+
+    def scored(**kwargs):
+        cfg = _cfg(path, reward_kwargs=kwargs) if kwargs else _cfg(path)
+        return score_rollouts(_rollouts(2), cfg, use_ray=False)
+
+    plain, half, tenth = scored(), scored(bonus=0.5), scored(bonus=0.1)
+    source_version = f"format_reward.py:compute_score@{_sha12(FORMAT_REWARD)}"
+    assert set(plain["reward_version"]) == {source_version}
+    assert half["reward"].tolist() != tenth["reward"].tolist()
+    assert set(half["reward_version"]) == {
+        f"{source_version}+kwargs@{_sha12(json.dumps({'bonus': 0.5}, separators=(',', ':')))}"
+    }
+    assert set(tenth["reward_version"]) != set(half["reward_version"])
+    two = "def compute_score(data_source, solution_str, ground_truth, extra_info=None, a=0, b=()):\n    return a\n"
+    path2 = _write(tmp_path, "two.py", two)
+    ab, ba = (
+        read_custom_reward(_cfg(path2, reward_kwargs=kw).custom_reward_function).version
+        for kw in ({"a": 1, "b": [2, "x"]}, {"b": [2, "x"], "a": 1})
+    )
+    canonical = '{"a":1,"b":[2,"x"]}'
+    assert ab == ba == f"two.py:compute_score@{_sha12(two)}+kwargs@{_sha12(canonical)}"
 
 
 def test_builtin_version_hashes_the_rule_reward_sources() -> None:
