@@ -139,13 +139,52 @@ def load_tree(path: str | Path, model: Model, chain: tuple[Path, ...] = ()) -> T
 
 
 def apply_overrides(tree: Tree, overrides: Iterable[str], model: Model) -> Tree:
-    """`key.sub=value` overrides (values parsed as YAML, verl names translated) applied in order."""
+    """`key.sub=value` overrides (values parsed by `override_value`, verl names translated) applied in order."""
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
-        set_dotted(tree, verl_alias(key.strip(), model) or key.strip(), yaml.safe_load(raw))
+        key = verl_alias(key.strip(), model) or key.strip()
+        set_dotted(tree, key, override_value(raw, leaf_is_str(key, model)))
     return tree
+
+
+HASH_STANDIN = "\ue000"
+"""A private-use character that stands in for '#' while a value is parsed (no YAML syntax uses it)."""
+
+
+def override_value(raw: str, is_str: bool = False) -> Any:
+    """The value of a `key=value` override, as the user meant it.
+
+    Parsed as YAML (`3` an int, `[a, b]` a list, `null` None, quotes stripped), except:
+    - '#' is text, never a YAML comment: the shell removed comments already, so `x=#### (\\d+)` is that
+      string (YAML alone reads None) and `x=a #b` is 'a #b' (YAML alone: 'a');
+    - for a key whose schema type is `str`, text YAML would read as another type is kept as typed: `Score: (\\d+)`
+      stays a string (YAML alone reads the mapping {'Score': '(\\d+)'}), `123` is '123', an empty value ''."""
+    try:
+        value = _restore_hash(yaml.safe_load(raw.replace("#", HASH_STANDIN)))
+    except yaml.YAMLError as exc:
+        if is_str:
+            return raw
+        raise ValueError(
+            f"override value {raw!r} is not valid YAML ({str(exc).splitlines()[0]}), and it is read as YAML so "
+            "that numbers, lists and null keep their types; quote it for a string (key='\"text\"'), or close "
+            "the bracket or quote it opens"
+        ) from None
+    if is_str and not isinstance(value, str):
+        return raw
+    return value
+
+
+def _restore_hash(value: Any) -> Any:
+    """`value` with HASH_STANDIN turned back into '#' in every string, key and item."""
+    if isinstance(value, str):
+        return value.replace(HASH_STANDIN, "#")
+    if isinstance(value, list):
+        return [_restore_hash(v) for v in value]
+    if isinstance(value, dict):
+        return {_restore_hash(k): _restore_hash(v) for k, v in value.items()}
+    return value
 
 
 # ---- the schema's keys and verl names ------------------------------------------------------------
@@ -169,6 +208,17 @@ def schema_keys(model: Model) -> dict[str, bool]:
         if sub is not None:
             out.update({f"{name}.{key}": leaf for key, leaf in schema_keys(sub).items()})
     return out
+
+
+def leaf_is_str(key: str, model: Model) -> bool:
+    """Whether dotted `key` is a leaf of `model` whose type is exactly `str` (not `str | None`, not a Literal)."""
+    node: Model | None = model
+    parts = key.split(".")
+    for part in parts[:-1]:
+        field = node.model_fields.get(part) if node is not None else None
+        node = sub_model(field.annotation) if field is not None else None
+    field = node.model_fields.get(parts[-1]) if node is not None else None
+    return field is not None and field.annotation is str
 
 
 def verl_alias(key: str, model: Model) -> str | None:

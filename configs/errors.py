@@ -49,6 +49,16 @@ def explain_config_error(exc: ValidationError) -> ValueError:
         else:
             lines.append(
                 f"config key '{key or '<root>'}': {err['msg']} (got {err.get('input')!r}); "
-                "configs/_defaults.yaml lists every key with a valid value."
+                f"{_hash_note(err.get('input'))}configs/_defaults.yaml lists every key with a valid value."
             )
     return ValueError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def _hash_note(value: object) -> str:
+    """Why a value holds a '#' (a `key=value` override keeps it as text: configs.compose.override_value)."""
+    if not (isinstance(value, str) and "#" in value):
+        return ""
+    return (
+        "a '#' in a key=value override is text, not a YAML comment (the shell has removed comments already), so "
+        "the value is the whole string; drop the '#' part, or in a YAML file put it after a space as a comment; "
+    )

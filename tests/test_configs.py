@@ -225,3 +225,19 @@ def test_rlake_config_reports_a_typo(capsys) -> None:
 
     assert main(["config", "actor_rollout_ref.rollout.nn=4"]) == 2
     assert "did you mean 'rollout.n'?" in capsys.readouterr().err
+
+
+def test_a_hash_in_an_override_is_text_not_a_yaml_comment(capsys) -> None:
+    """The shell has removed comments already: every '#' in `key=value` is the user's (issue #35)."""
+    from pipelines.cli import main
+
+    regex = r"#### Score: (#\d+)"  # YAML alone reads None (the whole value a comment)
+    assert main(["config", "--config", "configs/ci_tiny.yaml", f"reward.judge.score_regex={regex}"]) == 0
+    assert f"reward.judge.score_regex: '{regex}'" in capsys.readouterr().out
+    cfg = load_config(None, ["trainer.project_name=a #b", "rollout.stop=[a, #b]", "reward.judge.score_regex=S: (\\d)"])
+    assert cfg.trainer.project_name == "a #b" and cfg.reward.judge.score_regex == "S: (\\d)"  # not 'a', {'S': ...}
+    assert list(cfg.rollout.stop) == ["a", "#b"]
+    assert load_config(None, ["data.max_prompt_length=64", "rollout.n=8"]).rollout.n == 8  # YAML types kept
+    assert main(["config", "--config", "configs/ci_tiny.yaml", "data.max_prompt_length=512 # tokens"]) == 2
+    err = capsys.readouterr().err
+    assert "(got '512 # tokens')" in err and "'#' in a key=value override is text, not a YAML comment" in err
