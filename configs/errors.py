@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from configs.schema import RunConfig, load_config
+from configs.secrets import redact
 
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
@@ -51,7 +52,7 @@ def explain_config_error(exc: ValidationError) -> ValueError:
                 f"config key '{key or '<root>'}': {err['msg']} (got {err.get('input')!r}); "
                 f"{_hash_note(err.get('input'))}configs/_defaults.yaml lists every key with a valid value."
             )
-    return ValueError("invalid config:\n  " + "\n  ".join(lines))
+    return ValueError(redact("invalid config:\n  " + "\n  ".join(lines)))  # a value quoted back keeps no password
 
 
 def _hash_note(value: object) -> str:

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs import compose
+from configs.secrets import refuse_uri_passwords
 
 
 class _Strict(BaseModel):
@@ -867,6 +868,11 @@ class RunConfig(_Strict):
         """`role` (cfg.actor or cfg.critic) as an update request carries it: loss_scale_factor resolved to
         data.max_response_length when unset, so seq-mean-token-sum-norm divides by verl's constant length."""
         return role.model_copy(update={"loss_scale_factor": role.loss_scale_factor or self.data.max_response_length})
+
+    @model_validator(mode="after")
+    def _no_uri_password(self) -> RunConfig:
+        refuse_uri_passwords(self.model_dump(mode="json"))  # configs/secrets.py: a config is recorded everywhere
+        return self
 
     @model_validator(mode="after")
     def _check_kl_and_dapo(self) -> RunConfig:

@@ -20,10 +20,14 @@ turns it on only when a token already exists; a driver attaching by an explicit 
 by itself. So a cluster's head, its nodes and every driver must all be given RAY_AUTH_MODE=token.
 
 `ray.runtime_env` is the job's runtime_env (`ray.init(runtime_env=...)`), so it reaches every actor and task
-of the run (Ray merges an actor's own env_vars into it, as the worker groups' thread variables are):
-`env_vars_from: [NAME, ...]` is expanded here from this process's environment (a missing one is an error)
-and dropped, and HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are forwarded when set. Under `ray job submit
---runtime-env-json`, Ray merges the two and refuses a field set in both.
+of the run (Ray merges an actor's own env_vars into it, as the worker groups' thread variables are). The
+values of `env_vars_from: [NAME, ...]` (storage credentials) are read here from this process's environment (a
+missing one is an error) and set in each worker process when it starts by a `worker_process_setup_hook`
+(`WorkerEnv`), never put in the runtime_env's env_vars: Ray writes env_vars in plain text to every node's
+runtime_env_agent.log and the job's record, while the hook travels pickled in the GCS and only its key is
+logged (tests/cluster greps every node's Ray logs for the secrets). HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
+(not secret) are forwarded as env_vars when set. Under `ray job submit --runtime-env-json`, Ray merges the two
+and refuses a field set in both.
 
 The run's settings (`RaySettings`: run id, local or cluster, ray.resources_per_worker) are recorded by the
 `ensure_ray` call that connects (one per process: one run per process), so the stages' `worker_group(...)`
@@ -118,9 +122,28 @@ def check_cluster_auth(address: str, environ: Mapping[str, str] = os.environ) ->
         )
 
 
+class WorkerEnv:
+    """Ray's worker_process_setup_hook of a run: sets `values` (env_vars_from's variables) in os.environ of each
+    worker process when it starts, before any task runs. Its repr names the variables only."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values = dict(values)
+        self.__name__ = "set_worker_env"  # Ray records the hook by this name
+
+    def __call__(self) -> None:
+        os.environ.update(self.values)
+
+    def __repr__(self) -> str:
+        return f"WorkerEnv({sorted(self.values)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerEnv) and other.values == self.values
+
+
 def resolve_runtime_env(runtime_env: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """ray.runtime_env as Ray takes it: `env_vars_from` expanded from `environ` into env_vars (and dropped),
-    HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE forwarded when set, every env_vars value a string."""
+    """ray.runtime_env as Ray takes it: `env_vars_from` read from `environ` into a WorkerEnv setup hook (and
+    dropped), HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE forwarded as env_vars when set, every env_vars value a
+    string. No value of env_vars_from is put in env_vars, which Ray logs."""
     env = dict(runtime_env)
     names = env.pop("env_vars_from", None) or []
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
@@ -144,10 +167,18 @@ def resolve_runtime_env(runtime_env: Mapping[str, Any], environ: Mapping[str, st
             f"ray.runtime_env sets {both} both in env_vars and in env_vars_from, so their value is ambiguous; keep "
             "each variable in one of the two."
         )
-    forwarded = {n: environ[n] for n in FORWARDED_ENV if n in environ}
-    env_vars = {**forwarded, **{n: environ[n] for n in names}, **given}
+    if names and "worker_process_setup_hook" in env:
+        raise ValueError(
+            "ray.runtime_env sets worker_process_setup_hook and env_vars_from, but env_vars_from is delivered by "
+            "rlake's own setup hook (so that no secret reaches Ray's logs); set those variables from your hook, or "
+            "drop it and keep env_vars_from."
+        )
+    forwarded = {n: environ[n] for n in FORWARDED_ENV if n in environ and n not in names}
+    env_vars = {**forwarded, **given}
     if env_vars:
         env["env_vars"] = env_vars
+    if names:
+        env["worker_process_setup_hook"] = WorkerEnv({n: environ[n] for n in names})
     return env
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from pipelines.cli import main as main_cli
 from stages.workers.connect import (
+    WorkerEnv,
     check_cluster_auth,
     is_loopback_address,
     namespace_for,
@@ -74,7 +75,10 @@ def test_threads_are_the_bundle_cpus() -> None:
 def test_runtime_env_copies_named_variables_and_offline_flags() -> None:
     environ = {"AWS_SECRET_ACCESS_KEY": "s3cret", "HF_HUB_OFFLINE": "1", "OTHER": "x"}
     env = resolve_runtime_env({"env_vars_from": ["AWS_SECRET_ACCESS_KEY"], "env_vars": {"A": 1}, "pip": ["x"]}, environ)
-    assert env == {"env_vars": {"HF_HUB_OFFLINE": "1", "AWS_SECRET_ACCESS_KEY": "s3cret", "A": "1"}, "pip": ["x"]}
+    # the secret reaches the workers through a setup hook, never through env_vars (Ray logs those)
+    hook = WorkerEnv({"AWS_SECRET_ACCESS_KEY": "s3cret"})
+    assert env == {"env_vars": {"HF_HUB_OFFLINE": "1", "A": "1"}, "pip": ["x"], "worker_process_setup_hook": hook}
+    assert "s3cret" not in repr(env)
     assert resolve_runtime_env({}, {}) == {}
     with pytest.raises(ValueError, match=r"names \['AWS_ACCESS_KEY_ID'\], which this process's environment does not"):
         resolve_runtime_env({"env_vars_from": ["AWS_ACCESS_KEY_ID"]}, environ)
@@ -159,6 +163,12 @@ def _task_env() -> dict:
     return ray.get(env.remote())
 
 
+def _logs_with(ray, value: str) -> list[str]:
+    """Files under this Ray session's directory (its logs, runtime_env_agent.log included) holding `value`."""
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    return sorted(str(p) for p in session.rglob("*") if p.is_file() and value.encode() in p.read_bytes())
+
+
 def main_local(report_path: str) -> None:
     import ray
 
@@ -182,6 +192,7 @@ def main_local(report_path: str) -> None:
         "all_reduce": actor.call(probe.all_reduce),
         "task": _task_env(),
         "namespace": ray.get_runtime_context().namespace,
+        "logs_with_secret": _logs_with(ray, "forwarded-42"),
     }
     # the run's resources change (another process of the run with another config): the group is rebuilt
     configure(RaySettings(run_id="r1", local=True, resources_per_worker={"actor": {"CPU": 1}}))
@@ -277,6 +288,7 @@ def test_roles_get_pack_placement_groups_threads_env_and_gc(tmp_path: Path) -> N
     # env_vars_from and HF_HUB_OFFLINE reach every actor and task
     for seen in (*actor["seen"], *rollout["seen"], r["task"]):
         assert (seen["secret"], seen["hf_offline"]) == ("forwarded-42", "1")
+    assert r["logs_with_secret"] == []  # ... and no Ray log or record of the session holds its value
     # new resources for the role: a new placement group, new bundles and threads; the old group is gone
     again = r["actor_again"]
     assert again["pg"]["id"] != actor["pg"]["id"] and again["pg"]["bundles"] == [{"CPU": 1.0}] * 2
