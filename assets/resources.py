@@ -24,6 +24,8 @@ from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tracking import (
     END_STATUSES,
+    ERROR_TAG,
+    MAX_ERROR_CHARS,
     code_tags,
     log_lineage,
     log_validation_figure,
@@ -291,10 +293,13 @@ class TrackerResource(dg.ConfigurableResource):
                 client, mlflow_run_id, validation, policy_version=policy_version, metrics_version=metrics_version
             )
 
-    def end_run(self, rlake_run_id: str, status: str, *, tables_root: str | None = None) -> str | None:
+    def end_run(
+        self, rlake_run_id: str, status: str, *, tables_root: str | None = None, error: str | None = None
+    ) -> str | None:
         """End the MLflow run of rlake run `rlake_run_id` with status FINISHED, FAILED or KILLED; with
-        tables_root, first log validation_curve.png from its iteration_metrics table. Returns the MLflow
-        run id, None when the rlake run never logged to MLflow (nothing to end)."""
+        tables_root, first log validation_curve.png from its iteration_metrics table; with `error` (what ended
+        it), tag rlake.error (FINISHED removes an earlier one). Returns the MLflow run id, None when the rlake run
+        never logged to MLflow (nothing to end)."""
         if status not in END_STATUSES:
             raise ValueError(f"end_run status '{status}' is not an end status. Valid: {list(END_STATUSES)}")
         client = self._client()
@@ -303,5 +308,9 @@ class TrackerResource(dg.ConfigurableResource):
             return None
         if tables_root is not None:
             log_validation_figure(client, found.info.run_id, tables_root, rlake_run_id)
+        if error is not None:
+            client.set_tag(found.info.run_id, ERROR_TAG, error[:MAX_ERROR_CHARS])
+        elif status == "FINISHED" and ERROR_TAG in found.data.tags:  # a resumed run that failed before
+            client.delete_tag(found.info.run_id, ERROR_TAG)
         set_status(client, found.info.run_id, status)
         return found.info.run_id

@@ -175,8 +175,9 @@ def run_training(
     "iterations": [metadata of iteration_metrics], "start_iteration", "resume"}.
 
     `progress` shows what is running (pipelines/progress.py); without one, plain lines go to `log`.
-    The MLflow run is marked FINISHED by the last iteration, FAILED when an iteration raises and KILLED
-    on Ctrl-C, so no run stays RUNNING in the MLflow UI. On a Ray cluster the run's workers go when this
+    The MLflow run is created right after preflight and marked FINISHED by the last iteration, FAILED when
+    set-up (Dagster, warm start, Ray) or an iteration raises, with the error as tag rlake.error, and KILLED on
+    Ctrl-C, so no run stays RUNNING in the MLflow UI. On a Ray cluster the run's workers go when this
     call ends, however it ends."""
     progress = progress or plain(log)
     cfg = _resolve(config, overrides, progress)  # a bad config fails here, before any work
@@ -184,17 +185,19 @@ def run_training(
     preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
     plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
     cfg = cfg.with_run_id(plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    dagster_home(cfg.trainer.output_dir)
-    progress.phase("dagster", "instance and definitions")
-    defs = build_definitions(cfg)
-    instance = dg.DagsterInstance.get()
-    _start(cfg, plan, instance, progress)
     tracker = tracker_for(cfg)
+    tracker.run_for(cfg.run_id, cfg)  # the MLflow run exists (RUNNING) from here: a set-up failure ends it FAILED
     t0 = time.perf_counter()
     try:
+        dagster_home(cfg.trainer.output_dir)
+        progress.phase("dagster", "instance and definitions")
+        defs = build_definitions(cfg)
+        instance = dg.DagsterInstance.get()
+        _start(cfg, plan, instance, progress)
         setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
     except BaseException as exc:
-        _end_mlflow_run(tracker, cfg.run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", progress)
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        _end_mlflow_run(tracker, cfg.run_id, status, progress, error=exc)
         raise
     finally:
         _release_cluster_workers(cfg)
@@ -294,10 +297,13 @@ def _run_jobs(
     return setup, history
 
 
-def _end_mlflow_run(tracker, run_id: str, status: str, progress: RunProgress) -> None:
-    """Mark the MLflow run ended without hiding the error that ended it."""
+def _end_mlflow_run(
+    tracker, run_id: str, status: str, progress: RunProgress, *, error: BaseException | None = None
+) -> None:
+    """Mark the MLflow run ended (FAILED / KILLED: `error` as its rlake.error tag) without hiding the error that
+    ended it."""
     try:
-        tracker.end_run(run_id, status)
+        tracker.end_run(run_id, status, error=None if error is None else f"{type(error).__name__}: {error}")
     except Exception as exc:  # the store itself may be what failed
         progress.line(f"could not mark MLflow run {run_id} {status}: {exc}")
 

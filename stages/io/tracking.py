@@ -1,7 +1,9 @@
 """What an rlake run records in MLflow beyond its metrics: status, Delta lineage, samples, code, curve.
 
 - Status: a run is RUNNING while it logs (a resumed or re-materialized run reopens), FINISHED when
-  the last iteration's metrics are in, FAILED / KILLED when `rlake train` ends on an error / Ctrl-C.
+  the last iteration's metrics are in, FAILED / KILLED when `rlake train` ends on an error / Ctrl-C, set-up
+  included (warm start, Ray, Dagster: `rlake train` creates the MLflow run right after preflight), with the
+  error in tag rlake.error.
 - Lineage: each iteration logs, as MLflow dataset inputs, the Delta table versions it read and wrote:
   source type `delta_table` with the table URI and version (what `mlflow.data.get_source` reads back
   as a DeltaDatasetSource, no Spark needed), context tag = the table. The versions come from the Delta
@@ -28,6 +30,10 @@ from stages.io.plots import load_run_metrics, validation_figure
 from stages.io.store import commit_lineage, git_commit, table_exists
 
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+ERROR_TAG = "rlake.error"
+"""Tag of a FAILED / KILLED run: `<exception type>: <message>` of what ended it (set-up included)."""
+MAX_ERROR_CHARS = 5000
+"""rlake.error is cut to this (MLflow stores tag values up to 8000 characters)."""
 TRACKING_SERVER_SCHEMES = ("http", "https", "databricks")
 """Tracking URIs of an MLflow server: the server decides where its experiments' artifacts go."""
 SAMPLE_COLUMNS = [

@@ -91,12 +91,14 @@ def test_end_run_sets_the_status_and_a_new_step_reopens(tmp_path) -> None:
     assert client.get_run(mid).info.end_time is not None
     assert tracker.run_for("r", step=0) == mid and status() == "FINISHED"  # an already-logged step: no reopen
     assert tracker.run_for("r", step=1) == mid and status() == "RUNNING"  # a resumed run logs a new step
-    tracker.end_run("r", "FAILED")
-    assert status() == "FAILED"
+    tracker.end_run("r", "FAILED", error="OSError: no weights")
+    assert status() == "FAILED" and client.get_run(mid).data.tags["rlake.error"] == "OSError: no weights"
     tracker.run_for("r")  # no step given: any log reopens
     assert status() == "RUNNING"
     tracker.end_run("r", "KILLED")
     assert status() == "KILLED" and client.get_run(mid).data.tags["rlake.last_step"] == "1"
+    tracker.end_run("r", "FINISHED")  # the resumed run finished: the earlier error is not its end any more
+    assert "rlake.error" not in client.get_run(mid).data.tags
     with pytest.raises(ValueError, match="RUNNING.*Valid: \\['FINISHED', 'FAILED', 'KILLED'\\]"):
         tracker.end_run("r", "RUNNING")
 
