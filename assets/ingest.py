@@ -64,7 +64,7 @@ def initial_policy(
     ray.ensure()
     model_dir, tok = str(ms.require(0, needed_by="initial_policy")), load_tokenizer(ms.fetch(0))
     scored = validation_rollouts(model_dir, rows[rows["split"] == "val"], tok, cfg)
-    val = validation_summary(scored, cfg.rollout.n)
+    val = validation_summary(scored)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)
     tracker.log_metrics(mlflow_id, val, step=0)
     metrics = pd.DataFrame({"policy_version": 0, "metric": list(val), "value": list(val.values())})

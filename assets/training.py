@@ -183,7 +183,7 @@ def validation(context, cfg, rollout_store, ms, ray, it: int, new_dir) -> tuple[
         prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
         tok = load_tokenizer(ms.fetch(it + 1))
         val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
-        summary = validation_summary(val, cfg.rollout.n)
+        summary = validation_summary(val)
     return val, {**summary, "timing_s/testing": t["s"]}
 
 

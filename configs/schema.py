@@ -161,6 +161,46 @@ class MultiTurnConfig(_Strict):
         return self
 
 
+class ValKwargsConfig(_Strict):
+    """Sampling of validation (verl's actor_rollout_ref.rollout.val_kwargs; stages/evaluate.py). Every validation
+    runs a greedy pass (one response per prompt: val-core/<ds>/reward/mean@1, what verl's default val_kwargs
+    give); with do_sample it also samples n responses per prompt, scored with verl's mean/std/best/worst/maj@n
+    (stages/algos/val_metrics.py). Unset sampling values are rollout's."""
+
+    n: int | None = None
+    """Sampled responses per validation prompt; null = rollout.n (no sampled pass when that is 1)."""
+    do_sample: bool = True
+    """false: the greedy pass alone (verl's default val_kwargs: n=1, do_sample=false)."""
+    temperature: float | None = None
+    """Sampling temperature of the sampled pass; null = rollout.temperature."""
+    top_p: float | None = None
+    """null = rollout.top_p."""
+    top_k: int | None = None
+    """null = rollout.top_k (-1 disables top-k)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ValKwargsConfig:
+        if self.n is not None and self.n < 1:
+            raise ValueError(f"rollout.val_kwargs.n ({self.n}) must be >= 1 (or null for rollout.n)")
+        if not self.do_sample and self.n not in (None, 1):
+            raise ValueError(
+                f"rollout.val_kwargs.n={self.n} with do_sample=false: greedy responses to one prompt are all the "
+                "same, so validation runs the greedy pass once; set n=1 (or null), or do_sample=true."
+            )
+        if self.do_sample and self.n == 1:
+            raise ValueError(
+                "rollout.val_kwargs.n=1 with do_sample=true: validation always runs a greedy pass, logged as "
+                "val-core/<data_source>/reward/mean@1, and one sampled response per prompt would log the same name; "
+                "set n >= 2 for the sampled metrics (mean/best/maj@n), or do_sample=false for the greedy pass alone."
+            )
+        return self
+
+    def sampled_n(self, rollout_n: int) -> int:
+        """Responses per prompt of the sampled pass (0: no sampled pass)."""
+        n = rollout_n if self.n is None else self.n
+        return n if self.do_sample and n > 1 else 0
+
+
 class RolloutConfig(_Strict):
     name: Literal["auto", "hf", "vllm"] = "auto"
     """Generation engine; 'auto' picks vLLM when it is installed, else HF transformers."""
@@ -190,6 +230,8 @@ class RolloutConfig(_Strict):
     and by the HF engine."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Tool-calling rollouts over several assistant turns (off: one response per sample)."""
+    val_kwargs: ValKwargsConfig = ValKwargsConfig()
+    """Validation sampling (verl's name): a greedy pass, plus n sampled responses per prompt with do_sample."""
 
 
 class OptimConfig(_Strict):

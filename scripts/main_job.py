@@ -93,12 +93,22 @@ def metrics_frame(tables: Path, run_id: str):
     return df.pivot_table(index="policy_version", columns="metric", values="value", aggfunc="last").sort_index()
 
 
+def validation_columns(wide) -> tuple[str, str]:
+    """The greedy (.../reward/mean@1) and sampled (.../reward/mean@n) validation columns: both val-core/ since
+    verl's val-core/val-aux split, the sampled one val-aux/ in runs logged before it."""
+    from stages.io.plots import VAL_REWARD
+
+    reward = [c for c in wide.columns if re.match(VAL_REWARD, c)]
+    greedy = next((c for c in reward if c.endswith("/mean@1")), None)
+    sampled = next((c for c in reward if not c.endswith("/mean@1")), None)
+    if greedy is None or sampled is None:
+        raise SystemExit("the run logged no held-out validation (greedy and sampled .../reward/mean@n metrics)")
+    return greedy, sampled
+
+
 def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
     """The README's markdown and the same numbers as a dict."""
-    greedy = next((c for c in wide.columns if c.startswith("val-core/") and c.endswith("mean@1")), None)
-    sampled = next((c for c in wide.columns if c.startswith("val-aux/") and "/mean@" in c), None)
-    if greedy is None or sampled is None:
-        raise SystemExit("the run logged no held-out validation (val-core/... and val-aux/... metrics)")
+    greedy, sampled = validation_columns(wide)
     val = wide[[sampled, greedy]].dropna()
     n = sampled.rsplit("@", 1)[1]
     lines = [

@@ -15,6 +15,7 @@ multi-turn metrics logged with them). `--json FILE` also writes the numbers.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def per_iteration(tables: Path, run_id: str):
 def validation(wide) -> tuple[list[str], dict]:
     """Markdown rows and numbers of the held-out validation per validated policy version."""
     cols = [c for c in wide.columns if c.startswith(("val-core/", "val-aux/"))]
-    cols = [c for c in cols if "/reward/" in c or "tool" in c or "turn" in c]
+    cols = [c for c in cols if re.search(r"/reward/mean@\d+$", c)]  # the greedy and sampled means
     if not cols:
         return ["The run logged no held-out validation (val-core/... metrics)."], {}
     val = wide[cols].dropna(how="all")

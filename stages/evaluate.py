@@ -1,6 +1,9 @@
-"""Validation: greedy pass@1 and sampled mean@k of a policy on the held-out prompts.
+"""Validation: a greedy pass and (rollout.val_kwargs.do_sample) n sampled responses per held-out prompt.
 
-The rollouts run on the run's "rollout" worker group (stages.rollout.generate_rollouts), the same
+Metrics (stages.metrics.validation_metrics, verl's process_validation_metrics and names): the greedy pass gives
+val-core/<ds>/reward/mean@1 (what verl's default val_kwargs, n=1 and do_sample=false, give); the sampled pass
+gives mean@n, std@n, best@K/worst@K (and maj@K when the scorer returns a pred) split into val-core/ and val-aux/
+as verl splits them. The rollouts run on the run's "rollout" worker group (stages.rollout.generate_rollouts), the same
 engines as training; scoring runs in this process.
 """
 
@@ -21,15 +24,19 @@ def validation_rollouts(
     model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *, use_ray: bool = True
 ) -> dict[str, pd.DataFrame]:
     """Scored validation rollouts of the first data.val_batch_size val prompts: "greedy" (one per
-    prompt) and "sampled" (rollout.n per prompt)."""
+    prompt) and, when rollout.val_kwargs samples (ValKwargsConfig.sampled_n > 0), "sampled" (n per prompt,
+    with val_kwargs' temperature/top_p/top_k where set)."""
     batch = prompt_batch_frame(val_prompts.head(cfg.data.val_batch_size), tokenizer, cfg.data.max_prompt_length)
     batch = batch.assign(group_id=batch["prompt_id"], policy_version=-1)
+    vk = cfg.rollout.val_kwargs
+    sampling = {k: v for k, v in vk.model_dump(include={"temperature", "top_p", "top_k"}).items() if v is not None}
+    n_sampled = vk.sampled_n(cfg.rollout.n)
     out: dict[str, pd.DataFrame] = {}
-    for mode, n in (("greedy", 1), ("sampled", cfg.rollout.n)):
+    for mode, n in (("greedy", 1), ("sampled", n_sampled))[: 2 if n_sampled else 1]:
         rollouts = generate_rollouts(
             batch,
             model_dir=model_dir,
-            rollout_cfg=cfg.rollout,
+            rollout_cfg=cfg.rollout.model_copy(update=sampling),
             max_tokens=cfg.data.max_response_length,
             seed=seeds.validation(cfg.rollout.seed),
             greedy=mode == "greedy",
@@ -41,23 +48,19 @@ def validation_rollouts(
     return out
 
 
-def validation_summary(scored: dict[str, pd.DataFrame], n: int) -> dict[str, float]:
-    """val-core/<ds>/reward/mean@1 (greedy), val-aux/<ds>/reward/mean@<n> (sampled) and
-    val/response_length/<tag>, from validation_rollouts' output; n = rollout.n."""
+def validation_summary(scored: dict[str, pd.DataFrame]) -> dict[str, float]:
+    """The metrics of validation_rollouts' output: each pass's val-core/... and val-aux/... (verl's names) and
+    val/response_length/mean@<n> (n = 1 greedy, n sampled)."""
     metrics: dict[str, float] = {}
-    for mode, tag in (("greedy", "mean@1"), ("sampled", f"mean@{n}")):
-        m = validation_metrics(scored[mode], tag)
-        if mode == "sampled":
-            m = {k.replace("val-core/", "val-aux/"): v for k, v in m.items()}
-        metrics |= m
-        metrics[f"val/response_length/{tag}"] = float(scored[mode]["response_length"].mean())
+    for rollouts in scored.values():
+        n = int(rollouts.groupby("prompt_id").size().max())
+        metrics |= validation_metrics(rollouts)
+        metrics[f"val/response_length/mean@{n}"] = float(rollouts["response_length"].mean())
     return metrics
 
 
 def validate_policy(
     model_dir: str, val_prompts: pd.DataFrame, tokenizer, cfg: RunConfig, *, use_ray: bool = True
 ) -> dict[str, float]:
-    """Metrics val-core/<ds>/reward/mean@1 (greedy) and val-aux/<ds>/reward/mean@<n> (sampled)."""
-    return validation_summary(
-        validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray), cfg.rollout.n
-    )
+    """validation_summary of validation_rollouts: val-core/<ds>/reward/mean@1 (greedy), the sampled pass's."""
+    return validation_summary(validation_rollouts(model_dir, val_prompts, tokenizer, cfg, use_ray=use_ray))

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from configs.schema import RunConfig
+from stages.algos.val_metrics import process_validation_metrics, val_metric_names
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
 from stages.old_logprobs import probs_gap
@@ -14,7 +15,11 @@ from stages.train.critic import critic_metrics
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
+    """mean / max / min over the finite values (a flagged reward, NaN, is left out as the update leaves it out)."""
     values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)] if len(values) else values
+    if not len(values):
+        return {f"{prefix}/{k}": float("nan") for k in ("mean", "max", "min")}
     return {
         f"{prefix}/mean": float(values.mean()),
         f"{prefix}/max": float(values.max()),
@@ -34,6 +39,7 @@ def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response
         **_stats("prompt_length", scored["prompt_token_ids"].map(len)),
     }
     m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
+    m["reward/flagged"] = float((~np.isfinite(scored["reward"].to_numpy(dtype=np.float64))).sum())  # on_error=flag
     masks = row_masks(scored.get("response_mask"))  # multi-turn: response_length counts observation tokens too
     if masks is not None:
         model_tokens = [int(n) if k is None else sum(k) for n, k in zip(lengths, masks, strict=True)]
@@ -114,12 +120,17 @@ def probs_diff_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[s
     return metrics
 
 
-def validation_metrics(scored: pd.DataFrame, tag: str) -> dict[str, float]:
-    """verl-style val metrics per data_source: val-core/<ds>/reward/<tag>."""
-    out = {}
-    for ds, part in scored.groupby("data_source"):
-        out[f"val-core/{ds}/reward/{tag}"] = float(part["reward"].mean())
-    return out
+def validation_metrics(scored: pd.DataFrame) -> dict[str, float]:
+    """verl's validation metrics of scored validation rollouts (stages.algos.val_metrics): per data_source and
+    variable, val-core/<ds>/<var>/<metric> and val-aux/<ds>/<var>/<metric>. The variables are verl's: `reward`
+    and, for a scorer returning a dict, `score` and its extra keys (`acc`; `pred` turns on maj@K); a prompt's
+    responses share its prompt_id."""
+    extras = sorted({k for keys in scored.get("reward_extra_keys", []) for k in keys})
+    infos = {"reward": scored["reward"].tolist()}
+    if extras:  # verl's reward_extra_info holds every key of a dict return, "score" among them
+        infos |= {k: scored[k].tolist() for k in ("score", *extras)}
+    nested = process_validation_metrics(scored["data_source"].tolist(), scored["prompt_id"].tolist(), infos)
+    return val_metric_names(nested)
 
 
 def iteration_metrics(

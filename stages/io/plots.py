@@ -54,20 +54,21 @@ def load_run_metrics(
 
 
 def validation_rewards(df: pd.DataFrame) -> pd.DataFrame:
-    """policy_version x val reward metric (val-core/<ds>/reward/mean@1, val-aux/<ds>/reward/mean@n)."""
+    """policy_version x val reward metric: the greedy pass's val-core/<ds>/reward/mean@1 and the sampled pass's
+    mean@n (val-core/ since verl's split, val-aux/ in runs logged before it)."""
     val = df[df["metric"].str.match(VAL_REWARD)]
     return val.pivot_table(index="policy_version", columns="metric", values="value").sort_index()
 
 
 def _val_label(metric: str) -> str:
-    kind, ds, n = re.match(VAL_REWARD, metric).groups()
-    return f"greedy pass@1 ({ds})" if kind == "core" else f"sampled mean@{n} ({ds})"
+    _, ds, n = re.match(VAL_REWARD, metric).groups()
+    return f"greedy pass@1 ({ds})" if n == "1" else f"sampled mean@{n} ({ds})"
 
 
 def _plot_validation(ax, df: pd.DataFrame, *, annotate: bool) -> bool:
     """Validation reward curves on ax; False when the run has no validation rows."""
     val = validation_rewards(df)
-    for metric in sorted(val.columns, key=lambda m: (not m.startswith("val-core"), m)):  # greedy first
+    for metric in sorted(val.columns, key=lambda m: (not m.endswith("/mean@1"), m)):  # greedy first
         s = val[metric].dropna()
         ax.plot(s.index, s.values, marker="o", label=_val_label(metric))
         if annotate:
