@@ -32,6 +32,7 @@ from stages.io.tracking import (
     log_validation_samples,
     set_status,
 )
+from stages.metric_names import mlflow_metric_name
 from stages.workers.group import ensure_ray
 
 _PARSED: dict[str, RunConfig] = {}
@@ -268,7 +269,7 @@ class TrackerResource(dg.ConfigurableResource):
 
     def log_metrics(self, mlflow_run_id: str, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        items = [Metric(k.replace("@", "_at_"), float(v), now, step) for k, v in sorted(metrics.items())]
+        items = [Metric(mlflow_metric_name(k), float(v), now, step) for k, v in sorted(metrics.items())]
         client = self._client()
         for i in range(0, len(items), 500):
             client.log_batch(mlflow_run_id, metrics=items[i : i + 500])

@@ -4,7 +4,7 @@ A rlake run is found by its MLflow tag `rlake.run_id` (one MLflow run per rlake 
 assets/resources.TrackerResource). The comparison lists the flattened config params whose values
 differ and, per metric, the final value (at the last step) and the best value over steps (max for
 rewards, scores and accuracies, min for losses, none otherwise) of both runs. MLflow stores metric
-names with '@' written as '_at_'; they are printed back with '@'.
+names with '@' written as '_at_'; they are printed back with '@' (stages.metric_names).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlflow.tracking import MlflowClient
+
+from stages.metric_names import metric_name_from_mlflow
 
 HIGHER_IS_BETTER = ("reward", "score", "acc")
 LOWER_IS_BETTER = ("loss",)
@@ -73,7 +75,7 @@ def find_run(client, rlake_run_id: str, experiment: str | None = None) -> RunRec
     history = {}
     for key in run.data.metrics:
         points = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-        history[key.replace("_at_", "@")] = points
+        history[metric_name_from_mlflow(key)] = points
     return RunRecord(
         rlake_run_id,
         run.info.run_id,
