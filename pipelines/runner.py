@@ -41,6 +41,7 @@ from pipelines.progress import RunProgress, asset_metadata, fmt_items, plain
 from pipelines.resources import tables_root, tracker_for
 from pipelines.sensors import DRIVER_TAG
 from stages.io.checkpoints import ModelStore
+from stages.run.lease import RunLease
 from stages.run.preflight import preflight
 from stages.run.resume import ResumePlan, plan_resume
 
@@ -185,6 +186,7 @@ def run_training(
     preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
     plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
     cfg = cfg.with_run_id(plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    lease = RunLease.for_config(cfg).acquire()  # one driver per run: a second one exits 2 here (stages/run/lease.py)
     tracker = tracker_for(cfg)
     tracker.run_for(cfg.run_id, cfg)  # the MLflow run exists (RUNNING) from here: a set-up failure ends it FAILED
     t0 = time.perf_counter()
@@ -201,6 +203,7 @@ def run_training(
         raise
     finally:
         _release_cluster_workers(cfg)
+        lease.release()
     _end_mlflow_run(tracker, cfg.run_id, "FINISHED", progress)  # also a --steps stop short of the last iteration
     progress.line(
         f"done: {len(history)} iterations in {time.perf_counter() - t0:.1f}s. Tables: {tables_root(cfg)}; "
