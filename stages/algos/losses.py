@@ -12,10 +12,13 @@ Choices (verl's core_algos semantics):
   normalised as verl >= 0.8 `agg_loss` does: a micro-batch's loss is its share of the loss of the
   whole mini-batch (all micro-batches, all data-parallel ranks; `GlobalBatch`), so the accumulated
   gradient does not depend on how a mini-batch is split. token-mean divides the micro-batch's token
-  sum by the mini-batch's counted tokens; the seq-mean modes divide by the mini-batch's rows with at
-  least one counted token (fully masked rows are left out of the count); seq-mean-token-sum-norm
-  (Dr.GRPO) further divides by a constant length (norm_length, default L), so it equals
-  token sum / (non-empty rows x L), as verl's. Each is multiplied by dp_size because data-parallel
+  sum by the mini-batch's counted tokens; the seq-mean modes divide by ALL the mini-batch's rows,
+  fully masked ones included (a response of 0 tokens, a rollout rejected by rollout_rs): verl's trainer
+  passes agg_loss global_batch_size = ppo_mini_batch_size x rollout.n (ray_trainer._update_actor /
+  _update_critic), and a fully masked row adds 0 to the sum but counts in that size. (verl's agg_loss
+  called alone, without global_batch_size, counts the non-empty rows; rlake's default is the trainer's.)
+  seq-mean-token-sum-norm (Dr.GRPO) further divides by a constant length (norm_length, default L), so
+  it equals token sum / (rows x L), as verl's. Each is multiplied by dp_size because data-parallel
   gradient reduction averages over ranks.
 - GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071) clips one length-normalized
   sequence ratio per rollout instead of per-token ratios, and is always aggregated
@@ -57,7 +60,8 @@ class GlobalBatch:
     """What a micro-batch's loss is normalised by: the mini-batch it belongs to (verl's global_batch_info).
 
     num_tokens: counted (mask 1) tokens of the whole mini-batch, summed over the data-parallel ranks.
-    num_seqs: rows of the whole mini-batch with at least one counted token, over the ranks.
+    num_seqs: rows of the whole mini-batch, fully masked ones included, over the ranks (verl's
+        global_batch_size = ppo_mini_batch_size x rollout.n for a whole batch).
     dp_size: data-parallel ranks whose gradients are averaged.
     """
 
@@ -68,7 +72,7 @@ class GlobalBatch:
     @staticmethod
     def of(response_mask: Tensor) -> GlobalBatch:
         """The batch of one rank holding every row of the mini-batch: response_mask (N, L) float {0,1}."""
-        return GlobalBatch(float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum()), 1)
+        return GlobalBatch(float(response_mask.sum()), float(response_mask.shape[0]), 1)
 
 
 def aggregate_loss(
@@ -95,7 +99,7 @@ def aggregate_loss(
     gb = global_batch if global_batch is not None else GlobalBatch.of(response_mask)
     if mode == "token-mean":
         return (loss_mat * response_mask).sum() / max(gb.num_tokens, 1.0) * gb.dp_size
-    seq_sum = (loss_mat * response_mask).sum(dim=-1)  # (n_mb,); fully masked rows add 0
+    seq_sum = (loss_mat * response_mask).sum(dim=-1)  # (n_mb,); fully masked rows add 0, count in num_seqs
     if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         loss = seq_sum.sum() / max(gb.num_seqs, 1.0) * gb.dp_size
         return loss / (norm_length or loss_mat.shape[-1]) if mode == "seq-mean-token-sum-norm" else loss

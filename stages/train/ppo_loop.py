@@ -119,8 +119,9 @@ def fold_minibatch(metrics: MetricAccumulator, micro: list[dict[str, float]]) ->
 
 def mini_batch_counts(response_mask: Tensor, dp_size: int = 1, group=None) -> GlobalBatch:
     """The GlobalBatch of a mini-batch from this rank's rows of it, response_mask (n_mini, L): counted
-    tokens and non-empty rows summed over the dp_size data-parallel ranks of `group` (a collective)."""
-    counts = torch.tensor([float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    tokens and rows (fully masked ones too, as verl's global_batch_size) summed over the dp_size data-parallel
+    ranks of `group` (a collective)."""
+    counts = torch.tensor([float(response_mask.sum()), float(response_mask.shape[0])], dtype=torch.float64)
     if dp_size > 1:
         counts = counts.to(collective_device(group))
         dist.all_reduce(counts, group=group)

@@ -10,6 +10,7 @@ import torch
 from stages.algos.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSS_FNS,
+    GlobalBatch,
     aggregate_loss,
     compute_policy_loss,
     compute_policy_loss_gspo,
@@ -38,6 +39,24 @@ AGG_GOLDEN = {
 def test_aggregate_loss_golden(mode):
     loss_mat, mask = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     assert float(aggregate_loss(loss_mat, mask, mode)) == pytest.approx(AGG_GOLDEN[mode])
+
+
+def test_seq_mean_modes_count_fully_masked_rows_as_verls_trainer():
+    # the golden batch plus a third row with no counted token (empty response, or rejected by rollout_rs):
+    # verl's trainer divides by global_batch_size = ppo_mini_batch_size x rollout.n = 3 rows, empty one included
+    #   seq-mean-token-sum      (3 + 4 + 0)/3        = 7/3   (2/3 of the 3.5 over the 2 non-empty rows)
+    #   seq-mean-token-mean     (1.5 + 4 + 0)/3      = 11/6  (2/3 of 2.75)
+    #   seq-mean-token-sum-norm (3 + 4 + 0)/(3 * 3)  = 7/9   (2/3 of 7/6)
+    #   token-mean              (1+2+4)/3 tokens     = 7/3   (rows do not enter)
+    loss_mat = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    want = {"seq-mean-token-sum": 7 / 3, "seq-mean-token-mean": 11 / 6, "seq-mean-token-sum-norm": 7 / 9}
+    for mode, value in want.items():
+        assert float(aggregate_loss(loss_mat, mask, mode)) == pytest.approx(value), mode
+        # the factor: with the 2 non-empty rows as the mini-batch size, the golden numbers above
+        two = GlobalBatch(num_tokens=3.0, num_seqs=2.0)
+        assert float(aggregate_loss(loss_mat, mask, mode, global_batch=two)) == pytest.approx(value * 3 / 2), mode
+    assert float(aggregate_loss(loss_mat, mask, "token-mean")) == pytest.approx(7 / 3)
 
 
 def test_aggregate_loss_norm_length_and_bad_mode():

@@ -4,7 +4,8 @@ for the policy loss with entropy bonus and KL loss (vanilla and gspo) and for th
 
 The model is a toy: logits (or values) of a position are a trainable linear map of a fixed embedding of
 the previous token, so the test runs the real accumulate_grads / actor_loss / critic_loss / DDP path in
-milliseconds. The batch has rows of different lengths and one fully masked row (item 3 of issue #15).
+milliseconds. The batch has rows of different lengths and one fully masked row (item 3 of issue #15: it counts in
+the seq-mean modes' row count, as in verl's trainer).
 """
 
 from __future__ import annotations
@@ -109,22 +110,22 @@ def test_loss_and_gradient_do_not_depend_on_micro_batches(role: str, mode: str, 
 
 def test_one_micro_batch_is_the_whole_batch_formula() -> None:
     """With one micro-batch the terms are verl's agg_loss on the whole batch; by hand for the entropy term:
-    token-mean = sum(H * mask) / sum(mask); seq-mean-token-sum = sum over rows of the row's token sum /
-    7 non-empty rows (not 8: row 3 has no token); seq-mean-token-sum-norm = the same / L; seq-mean-token-mean =
-    sum of the 7 row means / 7."""
+    token-mean = sum(H * mask) / sum(mask); seq-mean-token-sum = sum over rows of the row's token sum / 8 rows
+    (row 3 has no token and adds 0, but counts: verl's trainer divides by global_batch_size = ppo_mini_batch_size
+    x rollout.n, every row of the mini-batch); seq-mean-token-sum-norm = the same / L; seq-mean-token-mean = sum
+    of the 7 non-empty rows' means / 8."""
     batch = toy_batch()
     model = Toy(V)
     with torch.no_grad():
         ent = entropy_from_logits(model(batch["prev"]))  # (N, L)
     mask = batch["response_mask"]
     row_sum = (ent * mask).sum(-1)
-    nonempty = (mask.sum(-1) > 0).double()
-    assert int(nonempty.sum()) == 7
+    assert int((mask.sum(-1) > 0).sum()) == 7 and len(mask) == N == 8
     want = {
         "token-mean": float((ent * mask).sum() / mask.sum()),
-        "seq-mean-token-sum": float(row_sum.sum() / 7),
-        "seq-mean-token-sum-norm": float(row_sum.sum() / 7 / L),
-        "seq-mean-token-mean": float((row_sum / mask.sum(-1).clamp(min=1)).sum() / 7),
+        "seq-mean-token-sum": float(row_sum.sum() / 8),
+        "seq-mean-token-sum-norm": float(row_sum.sum() / 8 / L),
+        "seq-mean-token-mean": float((row_sum / mask.sum(-1).clamp(min=1)).sum() / 8),
     }
     for mode, value in want.items():
         metrics, _ = run("actor", actor_cfg(mode), torch.arange(N), 1, model=Toy(V))
@@ -149,7 +150,7 @@ def _dp_rank(rank: int, port: int, out: str) -> None:
 def test_loss_and_gradient_are_the_same_on_two_data_parallel_ranks(tmp_path) -> None:
     """Two gloo ranks, each with half the mini-batch in 2 micro-batches, DDP averaging the gradients: the same
     loss metrics and gradient as one rank with the whole mini-batch in one micro-batch (the rank halves
-    have different token and non-empty row counts: 10 tokens / 3 rows vs 17 / 4)."""
+    have different token and non-empty row counts: 10 tokens / 3 non-empty rows of 4 vs 17 / 4 of 4)."""
     out = tmp_path / "dp.pt"
     mp.spawn(_dp_rank, args=(free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out)
