@@ -163,27 +163,28 @@ def compute_reinforce_plus_plus_advantages(
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted return-to-go per token, whitened over the whole batch.
 
-    Hu 2025, https://arxiv.org/abs/2501.03262. G_t = r_t + gamma * G_{t+1}; the running return
-    restarts after a token whose mask is 0 (verl: "reset after EOS").
+    Hu 2025, https://arxiv.org/abs/2501.03262. Over the counted tokens only, G_t = r_t + gamma * G_{t'}
+    with t' the next counted token: a token whose mask is 0 (padding after EOS, a multi-turn tool
+    observation inside the response) is skipped, its reward ignored, and the running return carried
+    across it undiscounted, so the outcome reward at the last model token reaches the model tokens
+    before an observation (verl 1dda039 compute_reinforce_plus_plus_outcome_advantage).
 
     Args:
         token_level_rewards: (N, L).
         response_mask: (N, L) float {0,1}.
-        gamma: discount.
+        gamma: discount, applied once per counted token.
     Returns:
         advantages (N, L) whitened, returns (N, L) unwhitened; both 0 where the mask is 0.
     """
     assert token_level_rewards.shape == response_mask.shape, f"{token_level_rewards.shape=} {response_mask.shape=}"
     with torch.no_grad():
-        counted = response_mask > 0  # (N, L)
-        rewards = torch.where(counted, token_level_rewards, torch.zeros_like(token_level_rewards))
-        returns = torch.zeros_like(rewards)  # (N, L)
-        running = torch.zeros_like(rewards[:, 0])  # (N,)
-        for t in reversed(range(rewards.shape[-1])):
-            running = rewards[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * response_mask[:, t]
-        returns = returns * response_mask
+        returns = torch.zeros_like(token_level_rewards)  # (N, L)
+        running = torch.zeros_like(token_level_rewards[:, 0])  # (N,)
+        for t in reversed(range(returns.shape[-1])):
+            m = response_mask[:, t]  # (N,)
+            step = token_level_rewards[:, t] + gamma * running  # (N,)
+            returns[:, t] = step * m
+            running = torch.where(m > 0, step, running)  # a masked token: carried unchanged
         advantages = masked_whiten(returns, response_mask) * response_mask
     return advantages, returns
 

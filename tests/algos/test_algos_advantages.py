@@ -123,6 +123,19 @@ def test_reinforce_plus_plus_ignores_masked_tail():
     torch.testing.assert_close(ret, T([[1.0, 1.0, 0.0]]))
 
 
+def test_reinforce_plus_plus_carries_the_return_across_a_mask_hole():
+    # multi-turn: tokens 2-3 are a tool observation (mask 0) inside the response, mask [1,1,0,0,1];
+    # reward 1 on the last token and a 5 on an observation token, gamma 0.5. As verl 1dda039:
+    #   t=4 counted: G = 1; t=3, t=2 masked: skipped, their 5 ignored, G stays 1 (not discounted);
+    #   t=1 counted: G = 0 + 0.5 * 1 = 0.5; t=0: 0.25 -> returns [0.25, 0.5, 0, 0, 1]
+    # (restarting at the hole, as rlake did before issue #38, gave [0, 0, 0, 0, 1]).
+    # The counted returns are the golden's above, so the whitened advantages are too.
+    mask = T([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    adv, ret = compute_reinforce_plus_plus_advantages(T([[0.0, 0.0, 5.0, 0.0, 1.0]]), mask, 0.5)
+    torch.testing.assert_close(ret, T([[0.25, 0.5, 0.0, 0.0, 1.0]]))
+    torch.testing.assert_close(adv, T([[-0.872872, -0.218218, 0.0, 0.0, 1.091089]]), atol=1e-5, rtol=0)
+
+
 def test_reinforce_plus_plus_baseline_golden():
     # groups {0: [1, 0], 1: [1, 1]}, L = 1: centered [0.5, -0.5, 0, 0]; batch whiten over 4
     # tokens: mean 0, unbiased var (0.25+0.25)/3 = 1/6, std 0.408248 -> [1.224745, -1.224745, 0, 0].
