@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from stages.io.ports import free_port
+from stages.workers import rendezvous
 from stages.workers.connect import ensure_ray, ensure_ray_for, settings
 from stages.workers.placement import (
     CPU_ONLY,
@@ -121,18 +121,22 @@ class Worker:
         return self.shape_key
 
     def free_address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it now: rank 0's TCPStore address on a cluster."""
-        return ray.util.get_node_ip_address(), free_port("")
+        """This node's IP and a port listening on it only, held for init_process_group: rank 0's TCPStore
+        address on a cluster (stages/workers/rendezvous.py)."""
+        ip = ray.util.get_node_ip_address()
+        self.store_listener = rendezvous.listener(ip)
+        return ip, self.store_listener.getsockname()[1]
 
     def init_process_group(self, init_method: str) -> None:
         """Join the group's gloo/NCCL process group at `init_method` (file://... or tcp://host:port)."""
-        dist.init_process_group(
-            collective_backend(self.device),
-            init_method=init_method,
-            rank=self.rank,
-            world_size=self.world,
-            timeout=timedelta(minutes=30),
-        )
+        kw: dict[str, Any] = {"rank": self.rank, "world_size": self.world, "timeout": timedelta(minutes=30)}
+        if init_method.startswith("tcp://"):  # bound to the node IP, never every interface
+            rendezvous.pin_interfaces(ray.util.get_node_ip_address())
+            listening, self.store_listener = getattr(self, "store_listener", None), None
+            kw["store"] = rendezvous.tcp_store(init_method, self.rank, self.world, listening, kw["timeout"])
+        else:
+            kw["init_method"] = init_method
+        dist.init_process_group(collective_backend(self.device), **kw)
 
     def pid(self) -> int:
         return os.getpid()
@@ -293,7 +297,7 @@ def _existing(worker_cls: type, role: str, num_workers: int, shape: str) -> Work
 def _rendezvous(rank0, key: str) -> str:
     """The process group's init_method: a FileStore on the local default (all ranks on this machine, and no
     socket opened: torch's TCPStore listens on every interface whatever host it is given), else a TCPStore
-    on rank 0's node IP and a port free there."""
+    listening on rank 0's node IP only (stages/workers/rendezvous.py)."""
     if settings().local:
         return f"file://{_store_dir() / key}"
     host, port = ray.get(rank0.free_address.remote())
