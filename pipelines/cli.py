@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,29 +51,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    """`dagster dev` on workspace.yaml; its code location (pipelines.definitions.defs) parses RLAKE_CONFIG."""
-    from pipelines.runner import dagster_home  # noqa: PLC0415 - CLI start-up
+    """`dagster dev` on the Dagster home of --config + overrides (--run-dir: trainer.output_dir), stopped cleanly
+    on Ctrl-C / SIGTERM (pipelines/ui.py)."""
+    from pipelines.ui import serve, ui_overrides  # noqa: PLC0415 - CLI start-up
 
-    cfg = load_run_config(args.config)
-    env = {
-        **os.environ,
-        "RLAKE_CONFIG": str(Path(args.config).resolve()),
-        "DAGSTER_HOME": str(dagster_home(cfg.trainer.output_dir)),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "dev",
-        "-w",
-        str(ROOT / "workspace.yaml"),
-        "-h",
-        "127.0.0.1",
-        "-p",
-        str(args.port),
-    ]
-    print("starting:", " ".join(cmd), f"(DAGSTER_HOME={env['DAGSTER_HOME']})")
-    return subprocess.call(cmd, env=env, cwd=os.getcwd())
+    return serve(args.config, ui_overrides(args.override, args.run_dir), port=args.port)
 
 
 def _tables_root(args: argparse.Namespace) -> str:
@@ -265,9 +246,11 @@ def _add_run_commands(sub) -> None:
     t.add_argument("--verbose", action="store_true", help="also print Ray/Dagster/MLflow logs and warnings to stderr")
     t.add_argument("override", nargs="*", help="key.sub=value config overrides")
     t.set_defaults(fn=cmd_train)
-    u = sub.add_parser("ui", help="start Dagster's webserver on 127.0.0.1")
-    u.add_argument("--config", default=DEFAULT_CONFIG)
+    u = sub.add_parser("ui", help="start Dagster's webserver and daemon on 127.0.0.1 for a run's Dagster home")
+    u.add_argument("--config", default=DEFAULT_CONFIG, help="the run's config: the launchpad's default too")
+    u.add_argument("--run-dir", default=None, help="the run's trainer.output_dir (same as trainer.output_dir=DIR)")
     u.add_argument("--port", type=int, default=3000)
+    u.add_argument("override", nargs="*", help="key.sub=value config overrides, as given to rlake train")
     u.set_defaults(fn=cmd_ui)
     r = sub.add_parser(
         "replay",

@@ -21,6 +21,7 @@ a checkpoint; this class's `watch` (the webserver loads the same dagster.yaml) t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -31,7 +32,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+import yaml
 from dagster._config import Field, StringSource
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import (
     INDEX_SHARD_NAME,
@@ -210,3 +213,109 @@ def relocate(text: str, home: str | Path) -> str:
     another directory (an output directory copied or moved): else the copy would read the old one's runs."""
     pattern = rf"(  class: {CLASS}\n  config:\n    base_dir: )[^\n]*"
     return re.sub(pattern, lambda m: m.group(1) + _runs_dir(home), text)
+
+
+# ---- the Dagster home of a run -------------------------------------------------------------------
+
+TELEMETRY_OFF = "telemetry:\n  enabled: false\n"
+NUX_OFF = "nux:\n  enabled: false\n"
+"""Dagster's "Join the Dagster community" pop-up over the UI's first page, off (dagster.yaml `nux`, read by
+DagsterInstance.nux_enabled)."""
+
+
+def dagster_home(output_dir: str) -> Path:
+    """DAGSTER_HOME if set, else <output_dir>/dagster_home (created), so `rlake ui` shows `rlake train`'s runs.
+
+    Its dagster.yaml switches Dagster's telemetry (and the banner it prints on first use) and the UI's "Join the
+    Dagster community" pop-up (`nux`) off, unless the file already says something about them; and, unless it
+    chooses a storage, selects rlake's pooled sqlite event log (PooledSqliteEventLogStorage: same files as
+    Dagster's default, without a new sqlite connection per event). A Postgres-backed home (a team's shared instance) is
+    checked first: check_instance_yaml."""
+    home = Path(os.environ.get("DAGSTER_HOME") or Path(output_dir).resolve() / "dagster_home")
+    home.mkdir(parents=True, exist_ok=True)
+    conf = home / "dagster.yaml"
+    text = conf.read_text() if conf.is_file() else ""
+    check_instance_yaml(conf, text)
+    keys = _top_keys(text)
+    added = "".join(
+        [
+            "" if "telemetry" in keys else TELEMETRY_OFF,
+            "" if "nux" in keys else NUX_OFF,
+            "" if _names_storage(text) else instance_yaml(home),
+        ]
+    )
+    new = relocate(text, home) + ("\n" if text and not text.endswith("\n") and added else "") + added
+    if new != text:
+        conf.write_text(new)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def _top_keys(text: str) -> set[str]:
+    """The top-level keys of a dagster.yaml's text."""
+    data = yaml.safe_load(text) if text.strip() else None
+    return set(data) if isinstance(data, dict) else set()
+
+
+def _names_storage(text: str) -> bool:
+    """Whether a dagster.yaml chooses a storage itself (`storage:` e.g. Postgres, or one of the legacy keys):
+    then it is left alone; else rlake's pooled sqlite event log is added."""
+    return bool(_top_keys(text) & {"storage", "run_storage", "event_log_storage", "schedule_storage"})
+
+
+def check_instance_yaml(conf: Path, text: str) -> None:
+    """Refuse a dagster.yaml whose Postgres storage holds a password, or names the database in a form that
+    cannot connect here, before Dagster fails on it with a driver traceback.
+
+    Accepted: `postgres_url: {env: DAGSTER_PG_URL}` (the URL, password included, from the environment), or a
+    literal URL without a password (libpq then reads PGPASSWORD or ~/.pgpass), with the driver named:
+    `postgresql+psycopg2://user@host:5432/db`. `postgres_db:` works with `scheme: postgresql+psycopg2` and
+    `password: {env: VAR}`; without the scheme, SQLAlchemy 2.1 picks psycopg 3, which is not installed."""
+    if not text.strip():
+        return
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{conf} is not valid YAML ({exc}); fix the file or unset DAGSTER_HOME") from None
+    for where, pg in _postgres_sections(data):
+        url = pg.get("postgres_url")
+        if isinstance(url, str) and urlparse(url).password is not None:
+            raise ValueError(
+                f"{conf}: {where}.postgres_url holds a password: a dagster.yaml is shared and copied, so the "
+                "password would leak with it; write `postgres_url: {env: DAGSTER_PG_URL}` and export the URL, or "
+                "drop the password from the URL and set PGPASSWORD (libpq reads it)."
+            )
+        env = url.get("env") if isinstance(url, dict) else None
+        resolved = os.environ.get(env, "") if env else url
+        if isinstance(resolved, str) and urlparse(resolved).scheme == "postgresql" and not _psycopg3():
+            source = f"the URL in ${env}" if env else f"'{url}'"
+            raise ValueError(
+                f"{conf}: {where}.postgres_url ({source}) names no driver: SQLAlchemy 2.1 then uses psycopg 3, "
+                "which is not installed (rlake's cluster extra has psycopg2); write postgresql+psycopg2://..."
+            )
+        db = pg.get("postgres_db")
+        if isinstance(db, dict):
+            if isinstance(db.get("password"), str) and db["password"]:
+                raise ValueError(
+                    f"{conf}: {where}.postgres_db.password is written in the file, where it leaks with every "
+                    "copy; write `password: {env: DAGSTER_PG_PASSWORD}` and export that variable."
+                )
+            if "+" not in str(db.get("scheme", "postgresql")) and not _psycopg3():
+                raise ValueError(
+                    f"{conf}: {where}.postgres_db has no `scheme`: SQLAlchemy 2.1 then uses psycopg 3, which is "
+                    "not installed (rlake's cluster extra has psycopg2); add `scheme: postgresql+psycopg2`, or "
+                    "use `postgres_url: {env: DAGSTER_PG_URL}` with a postgresql+psycopg2:// URL."
+                )
+
+
+def _postgres_sections(node: Any, where: str = "") -> Iterator[tuple[str, dict]]:
+    """(dotted key, mapping) for every mapping in a dagster.yaml that configures a Postgres connection."""
+    if isinstance(node, dict):
+        if "postgres_url" in node or "postgres_db" in node:
+            yield where or "(top level)", node
+        for key, value in node.items():
+            yield from _postgres_sections(value, f"{where}.{key}" if where else str(key))
+
+
+def _psycopg3() -> bool:
+    return importlib.util.find_spec("psycopg") is not None

@@ -3,13 +3,14 @@
 Importing this module builds nothing. `rlake train` calls `build_definitions` with the RunConfig it
 parsed; `dagster dev` / `rlake ui` (workspace.yaml) load `defs`, a lazy `@dg.definitions` function whose
 launch-time default config is RLAKE_CONFIG (default by RL_ENV: "local" configs/tiny_cpu.yaml, "ci"
-configs/ci_tiny.yaml) plus RLAKE_OVERRIDES (`key.sub=value;key=value`), validated once at load. The
+configs/ci_tiny.yaml) plus RLAKE_OVERRIDES (a JSON list, or `key.sub=value;key=value`), validated once at load. The
 Definitions do not depend on that config: every run uses the config it was launched with (the launchpad's
 resources.run_config), and the sensor carries it to the next iteration.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,7 +67,18 @@ def ui_source() -> tuple[str, list[str]]:
     if env not in CONFIG_BY_ENV:
         raise ValueError(f"RL_ENV='{env}' is not a known environment. Valid: {sorted(CONFIG_BY_ENV)}")
     path = os.getenv("RLAKE_CONFIG", str(ROOT / CONFIG_BY_ENV[env]))
-    return str(Path(path).resolve()), [o for o in os.getenv("RLAKE_OVERRIDES", "").split(";") if o]
+    return str(Path(path).resolve()), parse_overrides(os.getenv("RLAKE_OVERRIDES", ""))
+
+
+def parse_overrides(text: str) -> list[str]:
+    """RLAKE_OVERRIDES: a JSON list of `key.sub=value` strings (what `rlake ui` passes: a value may hold ';'), or
+    `key.sub=value;key=value`."""
+    if text.lstrip().startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise ValueError(f"RLAKE_OVERRIDES {text!r} must be a JSON list of key.sub=value strings")
+        return items
+    return [o for o in text.split(";") if o]
 
 
 def ui_config() -> RunConfig:

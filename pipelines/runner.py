@@ -15,25 +15,21 @@ never one a process elsewhere is still running (`_fail_stale_runs`).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
 
 import dagster as dg
 import psutil
-import yaml
 
 from assets.common import add_partitions, partition_key
 from configs.errors import load_run_config
 from configs.schema import RunConfig
-from pipelines.dagster_storage import instance_yaml, relocate
+from pipelines.dagster_storage import NUX_OFF, TELEMETRY_OFF, check_instance_yaml, dagster_home  # noqa: F401 - API
 from pipelines.definitions import build_definitions
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
 from pipelines.one_step_off import run_one_step_off
@@ -46,99 +42,11 @@ from stages.run.preflight import preflight
 from stages.run.resume import ResumePlan, plan_resume
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-TELEMETRY_OFF = "telemetry:\n  enabled: false\n"
 DRIVER_HOST_TAG = "rlake/driver_host"
 DRIVER_PID_TAG = "rlake/driver_pid"
 DRIVER_STARTED_TAG = "rlake/driver_started"
 """The process that executes a run in-process (`rlake train`): its host, pid and start time (epoch seconds; a
 reused pid has another start time)."""
-
-
-def dagster_home(output_dir: str) -> Path:
-    """DAGSTER_HOME if set, else <output_dir>/dagster_home (created), so `rlake ui` shows `rlake train`'s runs.
-
-    Its dagster.yaml switches Dagster's telemetry (and the banner it prints on first use) off, unless the
-    file already says something about telemetry; and, unless it chooses a storage, selects rlake's pooled sqlite
-    event log (same files as Dagster's default, without a new sqlite connection per event:
-    pipelines/dagster_storage.py). A Postgres-backed home (a team's shared instance) is
-    checked first: check_instance_yaml."""
-    home = Path(os.environ.get("DAGSTER_HOME") or Path(output_dir).resolve() / "dagster_home")
-    home.mkdir(parents=True, exist_ok=True)
-    conf = home / "dagster.yaml"
-    text = conf.read_text() if conf.is_file() else ""
-    check_instance_yaml(conf, text)
-    added = ("" if "telemetry" in text else TELEMETRY_OFF) + ("" if _names_storage(text) else instance_yaml(home))
-    new = relocate(text, home) + ("\n" if text and not text.endswith("\n") and added else "") + added
-    if new != text:
-        conf.write_text(new)
-    os.environ["DAGSTER_HOME"] = str(home)
-    return home
-
-
-def _names_storage(text: str) -> bool:
-    """Whether a dagster.yaml chooses a storage itself (`storage:` e.g. Postgres, or one of the legacy keys):
-    then it is left alone; else rlake's pooled sqlite event log is added (pipelines/dagster_storage.py)."""
-    data = yaml.safe_load(text) if text.strip() else None
-    keys = set(data) if isinstance(data, dict) else set()
-    return bool(keys & {"storage", "run_storage", "event_log_storage", "schedule_storage"})
-
-
-def check_instance_yaml(conf: Path, text: str) -> None:
-    """Refuse a dagster.yaml whose Postgres storage holds a password, or names the database in a form that
-    cannot connect here, before Dagster fails on it with a driver traceback.
-
-    Accepted: `postgres_url: {env: DAGSTER_PG_URL}` (the URL, password included, from the environment), or a
-    literal URL without a password (libpq then reads PGPASSWORD or ~/.pgpass), with the driver named:
-    `postgresql+psycopg2://user@host:5432/db`. `postgres_db:` works with `scheme: postgresql+psycopg2` and
-    `password: {env: VAR}`; without the scheme, SQLAlchemy 2.1 picks psycopg 3, which is not installed."""
-    if not text.strip():
-        return
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{conf} is not valid YAML ({exc}); fix the file or unset DAGSTER_HOME") from None
-    for where, pg in _postgres_sections(data):
-        url = pg.get("postgres_url")
-        if isinstance(url, str) and urlparse(url).password is not None:
-            raise ValueError(
-                f"{conf}: {where}.postgres_url holds a password: a dagster.yaml is shared and copied, so the "
-                "password would leak with it; write `postgres_url: {env: DAGSTER_PG_URL}` and export the URL, or "
-                "drop the password from the URL and set PGPASSWORD (libpq reads it)."
-            )
-        env = url.get("env") if isinstance(url, dict) else None
-        resolved = os.environ.get(env, "") if env else url
-        if isinstance(resolved, str) and urlparse(resolved).scheme == "postgresql" and not _psycopg3():
-            source = f"the URL in ${env}" if env else f"'{url}'"
-            raise ValueError(
-                f"{conf}: {where}.postgres_url ({source}) names no driver: SQLAlchemy 2.1 then uses psycopg 3, "
-                "which is not installed (rlake's cluster extra has psycopg2); write postgresql+psycopg2://..."
-            )
-        db = pg.get("postgres_db")
-        if isinstance(db, dict):
-            if isinstance(db.get("password"), str) and db["password"]:
-                raise ValueError(
-                    f"{conf}: {where}.postgres_db.password is written in the file, where it leaks with every "
-                    "copy; write `password: {env: DAGSTER_PG_PASSWORD}` and export that variable."
-                )
-            if "+" not in str(db.get("scheme", "postgresql")) and not _psycopg3():
-                raise ValueError(
-                    f"{conf}: {where}.postgres_db has no `scheme`: SQLAlchemy 2.1 then uses psycopg 3, which is "
-                    "not installed (rlake's cluster extra has psycopg2); add `scheme: postgresql+psycopg2`, or "
-                    "use `postgres_url: {env: DAGSTER_PG_URL}` with a postgresql+psycopg2:// URL."
-                )
-
-
-def _postgres_sections(node: Any, where: str = "") -> Iterator[tuple[str, dict]]:
-    """(dotted key, mapping) for every mapping in a dagster.yaml that configures a Postgres connection."""
-    if isinstance(node, dict):
-        if "postgres_url" in node or "postgres_db" in node:
-            yield where or "(top level)", node
-        for key, value in node.items():
-            yield from _postgres_sections(value, f"{where}.{key}" if where else str(key))
-
-
-def _psycopg3() -> bool:
-    return importlib.util.find_spec("psycopg") is not None
 
 
 def driver_tags() -> dict[str, str]:

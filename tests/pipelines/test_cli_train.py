@@ -17,7 +17,7 @@ from rich.console import Console
 
 from pipelines.dagster_storage import instance_yaml
 from pipelines.progress import RunProgress
-from pipelines.runner import TELEMETRY_OFF, dagster_home
+from pipelines.runner import NUX_OFF, TELEMETRY_OFF, dagster_home
 
 ROOT = Path(__file__).resolve().parents[2]
 NOISE = (
@@ -121,12 +121,16 @@ def test_live_progress_renders_stage_and_stats_on_a_terminal() -> None:
     assert "rollouts" in text and "tok/s=812" in text and "iteration 0: 3.0s" in text
 
 
-def test_dagster_home_switches_telemetry_off_once(tmp_path: Path, monkeypatch) -> None:
+def test_dagster_home_switches_telemetry_and_the_community_pop_up_off_once(tmp_path: Path, monkeypatch) -> None:
+    import dagster as dg
+
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    home = dagster_home(str(tmp_path))
-    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + instance_yaml(home)
-    dagster_home(str(tmp_path))
-    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + instance_yaml(home)  # not appended twice
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")
-    dagster_home(str(tmp_path))
-    assert "enabled: true" in (home / "dagster.yaml").read_text()  # a user's own choice stays
+    home = dagster_home(str(tmp_path / "linux"))  # 'nux' in the path is not the key
+    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + NUX_OFF + instance_yaml(home)
+    dagster_home(str(tmp_path / "linux"))
+    assert (home / "dagster.yaml").read_text() == TELEMETRY_OFF + NUX_OFF + instance_yaml(home)  # not twice
+    with dg.DagsterInstance.from_config(str(home)) as instance:  # the UI's "Join the Dagster community" pop-up
+        assert not instance.nux_enabled and not instance.telemetry_enabled
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: true\nnux:\n  enabled: true\n")
+    dagster_home(str(tmp_path / "linux"))
+    assert (home / "dagster.yaml").read_text().count("enabled: true") == 2  # a user's own choices stay
