@@ -15,6 +15,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from stages import seeds
+from stages.data.rewards import canonical_ground_truth
 from stages.data.tool_arith import generate_tool_arith_task
 from stages.data.word_problems import generate_word_problem_task
 
@@ -87,6 +88,14 @@ def _check_row_types(df: pd.DataFrame, path: str) -> None:
             )
 
 
+def _reward_model(rm: dict, where: str) -> dict[str, str]:
+    """A row's reward_model with its ground truth as the text the scorers compare (canonical_ground_truth)."""
+    try:
+        return {"style": str(rm.get("style", "rule")), "ground_truth": canonical_ground_truth(rm["ground_truth"])}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: reward_model.ground_truth: {exc}") from None
+
+
 def read_verl_parquet(path: str | Path, split: str) -> pd.DataFrame:
     """Read and validate one verl-format parquet file into prompts-table rows (no prompt_id yet)."""
     p = Path(path)
@@ -114,10 +123,7 @@ def read_verl_parquet(path: str | Path, split: str) -> pd.DataFrame:
             "data_source": df["data_source"].astype(str),
             "prompt": df["prompt"],
             "ability": df["ability"].astype(str),
-            "reward_model": [
-                {"style": str(r.get("style", "rule")), "ground_truth": str(r["ground_truth"])}
-                for r in df["reward_model"]
-            ],
+            "reward_model": [_reward_model(r, f"{p}: row {i}") for i, r in enumerate(df["reward_model"])],
             "extra_info": [
                 json.dumps(x if isinstance(x, dict) else {}, default=str, sort_keys=True) for x in df["extra_info"]
             ],

@@ -14,6 +14,12 @@
   scores 0.0.
 - DAPO (verl's `math_dapo.py`): +1.0 if correct, -1.0 otherwise (`score` and `format_score` are
   ignored), returned as verl does with its extras: {"score", "acc", "pred"} (acc and pred become columns).
+- Ground truths are compared as text: a str is used as is; an int (or numpy integer) as its decimal digits
+  (7 -> "7"), a finite float as the same digits when it is whole (7.0 -> "7", so a float column that holds
+  whole answers still matches `#### 7`) else its shortest round-trip repr (0.5 -> "0.5"); anything else
+  (None, a bool, NaN, a list) is an error naming the value (`canonical_ground_truth`). verl compares a
+  non-string ground truth as is (gsm8k: never equal to the extracted string; MATH, DAPO: raise); rlake's
+  prompts table stores the same text (stages/data/datasets.py).
 - rlake's own sources: rlake/arith, rlake/gsm8k_synth and rlake/tool_arith (the synthetic tasks) and the
   alias "gsm8k" score as openai/gsm8k. verl routes none of these four.
 - verl routes "math" to its DAPO scorer, and so does rlake (it is not an alias of the MATH scorer).
@@ -48,6 +54,25 @@ _GSM8K_FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
 GSM8K_METHODS = ("strict", "flexible")
 
 
+def canonical_ground_truth(value: Any) -> str:
+    """The text a scorer compares a ground truth as (module docstring): str as is, a whole number as its
+    digits, another finite float as its shortest repr; a TypeError / ValueError for anything else."""
+    if isinstance(value, str):
+        return value
+    is_bool = type(value).__name__ in ("bool", "bool_")  # numpy's too
+    if is_bool or not hasattr(value, "__index__") and not hasattr(value, "__float__"):
+        raise TypeError(
+            f"ground truth {value!r} ({type(value).__name__}) is not a string or a number; the math scorers "
+            "compare text, so write reward_model.ground_truth as a string (or an int / float)"
+        )
+    if hasattr(value, "__index__"):  # int, numpy integers
+        return str(int(value))
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"ground truth {value!r} is not a finite number; fix reward_model.ground_truth")
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
 def extract_gsm8k_answer(text: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
     """The answer verl's gsm8k scorer extracts from `text` under `method`, or None."""
     if method not in GSM8K_METHODS:
@@ -77,7 +102,7 @@ def score_gsm8k(
     answer = extract_gsm8k_answer(response, method)
     if answer is None:
         return 0.0
-    return score if answer == str(ground_truth) else format_score
+    return score if answer == canonical_ground_truth(ground_truth) else format_score
 
 
 MATH_METHODS = ("default", "math_verify")
@@ -97,6 +122,7 @@ def score_math(
     boxed answer 0. math_method "math_verify" raises math_grader.RewardTimeout past its time limit.
     """
     del format_score
+    ground_truth = canonical_ground_truth(ground_truth)
     if math_method == "math_verify":
         return score if math_verify_equiv(response, ground_truth) else 0.0
     if math_method != "default":
@@ -115,7 +141,7 @@ def score_math_dapo(
     "pred": the extracted answer}; acc and pred become scored_rollouts columns, as verl's reward_extra_info.
     format_score and score are accepted for the stage's uniform call and ignored."""
     del format_score, score
-    correct, pred = dapo_verify(response, ground_truth)
+    correct, pred = dapo_verify(response, canonical_ground_truth(ground_truth))
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
