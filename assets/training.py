@@ -25,6 +25,7 @@ from assets.resources import ModelStoreResource, RayResource, RolloutStoreResour
 from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.checkpoints import checkpoint_target
+from stages.io.plots import run_curves_markdown
 from stages.io.store import commit_lineage, table_exists
 from stages.io.tables import PROMPTS_ITERATION
 from stages.metrics import iteration_metrics as compute_iteration_metrics
@@ -168,6 +169,7 @@ def iteration_metrics(
             "delta_version": v,
             **{k: m[k] for k in SUMMARY_METRICS if k in m},
             **{k: v for k, v in m.items() if k.startswith("val-core/")},
+            "run_curves": dg.MetadataValue.md(run_curves_markdown(rollout_store.location, cfg.run_id)),
         },
         data_version=data_version("iteration_metrics", v),
     )
@@ -181,7 +183,7 @@ def validation(context, cfg, rollout_store, ms, ray, it: int, new_dir) -> tuple[
     with timed() as t:
         ray.ensure()
         prompts, _ = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
-        tok = load_tokenizer(ms.fetch(it + 1))
+        tok = load_tokenizer(ms.fetch_tokenizer(it + 1))
         val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
         summary = validation_summary(val)
     return val, {**summary, "timing_s/testing": t["s"]}
@@ -200,8 +202,9 @@ SUMMARY_METRICS = (
     "response_length/mean",
     "timing_s/step",
 )
-"""The iteration_metrics asset's metadata (Dagster UI, plotted across partitions on the asset's Plots tab),
-besides val-core/*; every metric goes to Delta and MLflow."""
+"""The iteration_metrics asset's metadata (Dagster UI, plotted across partitions on the asset's Plots tab, every
+run's partitions on one axis), besides val-core/* and `run_curves` (the curves of the partition's run alone, up
+to that iteration: stages.io.plots.run_curves_markdown); every metric goes to Delta and MLflow."""
 
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:

@@ -180,7 +180,11 @@ def asset_metadata(result, asset: str) -> dict:
 
 def fmt_items(meta: dict, prefix: str) -> str:
     """`key=value` pairs of the metadata keys starting with `prefix` (floats to 4 significant digits)."""
-    return "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(meta.items()) if k.startswith(prefix) and k != "delta_version")
+    return "  ".join(
+        f"{k}={_fmt(v)}"
+        for k, v in sorted(meta.items())
+        if k.startswith(prefix) and k != "delta_version" and isinstance(v, (int, float))  # not run_curves' image
+    )
 
 
 def _fmt(v) -> str:

@@ -1,6 +1,7 @@
 """Curves of one run from the `iteration_metrics` Delta table, as matplotlib figures.
 
-Used by `rlake plot RUN` (training + validation panels), by the MLflow run's final
+Used by `rlake plot RUN` (training + validation panels), by the iteration_metrics asset's `run_curves`
+metadata (the same figure of its run, shown by the Dagster UI), by the MLflow run's final
 `validation_curve.png` (stages.io.tracking) and by scripts/plot_validation.py. Figures are built with
 `matplotlib.figure.Figure` (no pyplot global state, no GUI backend), so plotting inside a Dagster
 asset or a test does not depend on the display. matplotlib is a dependency of mlflow.
@@ -12,6 +13,8 @@ iteration -1 holds the validation of policy v0. Training-rollout panels plot aga
 
 from __future__ import annotations
 
+import base64
+import io
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -145,3 +148,15 @@ def save_png(fig, path: str | Path, *, dpi: int = 110) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, format="png")
     return path
+
+
+def run_curves_markdown(
+    tables_root: str | Path, run_id: str, *, storage_options: Mapping[str, str] | None = None, dpi: int = 55
+) -> str:
+    """Markdown holding a PNG (base64 data URI) of one run's run_figure: the curves of `run_id` alone (the Dagster
+    UI's Plots tab draws each metric across every run's partitions on one axis; this figure is per run). About
+    40 KB at the default dpi."""
+    df = load_run_metrics(tables_root, run_id, storage_options=storage_options)
+    buf = io.BytesIO()
+    run_figure(df, f"run {run_id}").savefig(buf, dpi=dpi, format="png")
+    return f"![curves of run {run_id}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})"

@@ -67,7 +67,9 @@ def test_ui_refuses_a_run_dir_that_does_not_exist(tmp_path, capsys) -> None:
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ui_opens_a_run_dir_and_sigterm_stops_the_whole_tree(ci_tiny_run, tmp_path) -> None:
-    out, _ = ci_tiny_run
+    out, summary = ci_tiny_run
+    # each iteration_metrics partition carries its own run's curves (the UI's Plots tab mixes runs on one axis)
+    assert summary["iterations"][-1]["run_curves"].startswith(f"![curves of run {RUN}](data:image/png;base64,")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "RLAKE_CONFIG", "RLAKE_OVERRIDES")}
     cmd = [sys.executable, "-m", "pipelines.cli", "ui", "--config", "configs/ci_tiny.yaml", "--run-dir", str(out)]

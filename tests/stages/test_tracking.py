@@ -216,3 +216,23 @@ def test_rlake_plot_writes_a_png(tables, tmp_path, capsys) -> None:
     assert err == f"rlake plot: error: run 'nope' has no rows in {tables / 'iteration_metrics'}; runs there: r"
     assert main(["plot", "r", "--tables", str(tmp_path / "none")]) == 2  # no table: one-line error too
     assert "no iteration_metrics Delta table" in capsys.readouterr().err
+
+
+def test_run_curves_plot_one_run_whatever_other_runs_the_table_holds(tables) -> None:
+    """The iteration_metrics asset's `run_curves` (Dagster UI metadata) draws its own run alone (issue #35: the
+    UI's Plots tab put every run's partitions on one axis)."""
+    import base64
+
+    from stages.io.plots import run_curves_markdown
+
+    alone = run_curves_markdown(tables, "r")
+    assert alone.startswith("![curves of run r](data:image/png;base64,") and alone.endswith(")")
+    assert base64.b64decode(alone.split(",", 1)[1][:-1])[:8] == PNG_MAGIC
+    for it in (0, 1, 2):  # another run with other values in the same table
+        lineage = {"stage": "iteration_metrics", "policy_version": str(it + 1), "upstream": {}, "duration_s": "0.1"}
+        rows = _metrics(it, {"critic/score/mean": 5.0 - it, "actor/entropy": 9.0, VAL: 0.9})
+        store.write_partition(
+            str(tables / "iteration_metrics"), "iteration_metrics", rows, run_id="s", iteration=it, lineage=lineage
+        )
+    assert run_curves_markdown(tables, "r") == alone  # the same pixels: nothing of run s on run r's axes
+    assert run_curves_markdown(tables, "s") != alone
