@@ -14,8 +14,9 @@ What verl's `process_validation_metrics` and `RayPPOTrainer._val_metrics_update`
   the value of the first response whose pred is the subset's most frequent one (ties: the pred that appears
   first in the subset). A string variable (pred itself) gets nothing.
 - the draws: verl reseeds numpy's global legacy RNG with seed 42 before each (prompt, K) and draws
-  `np.random.choice(n, size=K)` S times; `np.random.RandomState(42).randint(0, n, (S, K))` is the same
-  stream, so every prompt with n responses uses the same (S, K) index table, as in verl.
+  `np.random.choice(n, size=(S, K))` (1dda039; older verl: size=K, S times: the same stream);
+  `np.random.RandomState(42).randint(0, n, (S, K))` is that stream too, so every prompt with n responses
+  uses the same (S, K) index table, as in verl.
 - per data source: each metric is the mean over its prompts.
 - names (`val_metric_names`): `val-core/<data_source>/<var>/<metric>` for the core variable (`acc` when the
   scorer returns one, else `reward`) and its metrics mean@n, best@n/{mean,std} and maj@n/{mean,std} at the
