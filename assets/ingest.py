@@ -62,7 +62,7 @@ def initial_policy(
     rows, prompts_version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     ms, meta, manifest = commit_initial_policy(cfg, rows, rollout_store, model_store, prompts_version)
     ray.ensure()
-    model_dir, tok = str(ms.require(0, needed_by="initial_policy")), load_tokenizer(ms.fetch(0))
+    model_dir, tok = str(ms.require(0, needed_by="initial_policy")), load_tokenizer(ms.fetch_tokenizer(0))
     scored = validation_rollouts(model_dir, rows[rows["split"] == "val"], tok, cfg)
     val = validation_summary(scored)
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=0)

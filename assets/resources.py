@@ -203,9 +203,12 @@ class ModelStoreResource(dg.ConfigurableResource):
     """storage.cache_dir: the node-local cache of fetched checkpoints (None: ~/.cache/rlake/checkpoints)."""
     storage_options: dict[str, str] | None = None
     """storage.options (non-secret: endpoint, region, allow_http); credentials come from the environment."""
+    cache_keep_versions: int = 3
+    """storage.cache_keep_versions: versions per run and kind the node's cache keeps."""
 
     def for_run(self, run_id: str) -> ModelStore:
-        return ModelStore(self.root, run_id, cache_dir=self.cache_dir, options=self.storage_options)
+        kw = {"cache_dir": self.cache_dir, "options": self.storage_options, "keep_versions": self.cache_keep_versions}
+        return ModelStore(self.root, run_id, **kw)
 
 
 class TrackerResource(dg.ConfigurableResource):

@@ -34,7 +34,7 @@ def prompt_batches(
     cfg, it = run_config.load(), iteration_of(context)
     rows, version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     with timed() as t:
-        tok = load_tokenizer(model_store.for_run(cfg.run_id).fetch(0, needed_by="prompt_batches"))
+        tok = load_tokenizer(model_store.for_run(cfg.run_id).fetch_tokenizer(0, needed_by="prompt_batches"))
         batch = build_prompt_batch(cfg, rows, it, tok)
     v = write_table(
         rollout_store,

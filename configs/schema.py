@@ -807,6 +807,9 @@ class StorageConfig(_Strict):
     are refused here and come from the environment only."""
     cache_dir: str | None = None
     """Node-local cache of checkpoints fetched by id (each node fills its own); None: ~/.cache/rlake/checkpoints."""
+    cache_keep_versions: int = 3
+    """Versions of each run (and kind) a node's cache keeps: older copies go when a new one arrives (version 0,
+    the reference policy, stays); 0 keeps every version."""
 
     @model_validator(mode="after")
     def _check(self) -> StorageConfig:

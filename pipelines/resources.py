@@ -78,7 +78,10 @@ def _model_store(cfg: RunConfig) -> ModelStoreResource:
     """Policy and critic checkpoints committed under <storage root>/checkpoints (default
     <trainer.output_dir>/checkpoints), fetched into storage.cache_dir on the node that reads one."""
     return ModelStoreResource(
-        root=uris.checkpoints_root(cfg), cache_dir=cfg.storage.cache_dir, storage_options=uris.storage_options(cfg)
+        root=uris.checkpoints_root(cfg),
+        cache_dir=cfg.storage.cache_dir,
+        storage_options=uris.storage_options(cfg),
+        cache_keep_versions=cfg.storage.cache_keep_versions,
     )
 
 

@@ -23,7 +23,6 @@ stages.io.checkpoint_files, re-exported here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,7 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.io import objects, uris
+from stages.io import checkpoint_cache, objects, uris
+from stages.io.checkpoint_cache import cache_name as _cache_name
 from stages.io.checkpoint_files import (  # noqa: F401 - re-exported: callers import them from here
     CHECKPOINT_ID,
     OPTIMIZER_FILE,
@@ -56,9 +56,15 @@ KINDS = ("policy", "critic")
 MANIFEST = "MANIFEST.json"
 """Written last, create-only: its existence is the commit."""
 DEFAULT_CACHE_DIR = "~/.cache/rlake/checkpoints"
-REF_PREFIX = "rlake-checkpoint:"
-"""A checkpoint reference (checkpoint_ref): what crosses to a worker instead of a path on the driver's node."""
 _NAME_RE = re.compile(r"^(policy|critic)_v(\d+)$")
+
+
+def _fingerprint(ckpt_dir: Path) -> str | None:
+    """fingerprint_checkpoint of a policy being committed (None: not an HF safetensors checkpoint)."""
+    try:
+        return fingerprint_checkpoint(ckpt_dir)
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 class CheckpointExistsError(FileExistsError):
@@ -75,12 +81,6 @@ class Staged:
     manifest: dict = field(default_factory=dict)
 
 
-def _cache_name(ckpt_id: str) -> str:
-    """A file-system-safe directory name for a checkpoint id (readable prefix + digest: ids may hold '/')."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_id)[-80:]
-    return f"{safe}-{hashlib.sha256(ckpt_id.encode()).hexdigest()[:10]}"
-
-
 def _files(root: Path) -> dict[str, int]:
     return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -95,6 +95,7 @@ class ModelStore:
         *,
         cache_dir: str | Path | None = None,
         options: dict[str, str] | None = None,
+        keep_versions: int = 3,
     ) -> None:
         self.root = uris.normalize(root)
         self.run_id = run_id
@@ -104,12 +105,16 @@ class ModelStore:
         """The run's directory (local roots); remote roots have none (it names nothing on disk)."""
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
         self.options = dict(options) if options else None
+        self.keep_versions = keep_versions
+        """Versions per run and kind this node's cache keeps (storage.cache_keep_versions; v0 always)."""
 
     @classmethod
     def for_config(cls, cfg, run_id: str | None = None) -> ModelStore:
         """The run's store from storage.root / storage.options / storage.cache_dir."""
         root = uris.checkpoints_root(cfg)
-        return cls(root, run_id or cfg.run_id, cache_dir=cfg.storage.cache_dir, options=uris.storage_options(cfg))
+        s = cfg.storage
+        kw = {"cache_dir": s.cache_dir, "options": uris.storage_options(cfg), "keep_versions": s.cache_keep_versions}
+        return cls(root, run_id or cfg.run_id, **kw)
 
     @property
     def store(self):
@@ -188,7 +193,23 @@ class ModelStore:
         dest = self.cache_dir / _cache_name(m["checkpoint_id"])
         if not (dest / "config.json").is_file():
             objects.download(self.store, {n: f"{m['prefix']}/{n}" for n in m["files"]}, dest)
+            self._cache_added(m, dest)
         return dest
+
+    def _cache_added(self, m: dict, dest: Path) -> None:
+        checkpoint_cache.record(self.cache_dir, m, dest.name)
+        checkpoint_cache.prune(self.cache_dir, self.run_id, m["kind"], self.keep_versions, added=dest.name)
+
+    def fetch_tokenizer(self, version: int, kind: str = "policy", *, needed_by: str = "a reader") -> Path:
+        """A local directory holding what load_tokenizer reads of committed version `version` (config.json and
+        the tokenizer files; a remote root's weights and optimizer state are not downloaded for it)."""
+        m = self.manifest(version, kind)
+        if m is None:
+            raise self._missing(version, kind, needed_by)
+        whole = None if self.local else self.cache_dir / _cache_name(m["checkpoint_id"])
+        if whole is None or (whole / "config.json").is_file():
+            return self.local_dir(kind, version) if whole is None else whole
+        return checkpoint_cache.download_tokenizer(self.store, self.cache_dir, m)
 
     def require(self, version: int, *, needed_by: str, kind: str = "policy") -> Path | str:
         """What a reader anywhere in the cluster opens version `version` by: the directory for a local root, else
@@ -214,7 +235,8 @@ class ModelStore:
         """fingerprint_checkpoint of policy version `version` (a few KiB read): what a rollout row's
         engine_weights_fingerprint equals when that version's weights reached the engine. dtype: the
         engine's weight dtype when it holds fewer bits than the checkpoint (stages/models/fingerprint.py)."""
-        return fingerprint_checkpoint(self.fetch(version, needed_by="the weights-fingerprint check"), dtype=dtype)
+        recorded = (self.manifest(version) or {}).get("fingerprint") if dtype is None else None
+        return recorded or fingerprint_checkpoint(self.fetch(version, needed_by="the weights check"), dtype=dtype)
 
     # -- writing ---------------------------------------------------------------------------------------------
     def _refuse(self, version: int, kind: str, attempt_id: str) -> CheckpointExistsError:
@@ -262,6 +284,7 @@ class ModelStore:
             "files": files,
             "bytes": int(sum(files.values())),
             "committed_at": time.time(),
+            "fingerprint": _fingerprint(staged.dir) if kind == "policy" else None,  # the weights check reads this
         }
         if self.local:  # the directory replaces an uncommitted leftover, never a committed version
             out = self.local_dir(kind, version)
@@ -286,6 +309,7 @@ class ModelStore:
             if not dest.exists():
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(staged.dir, dest)
+                self._cache_added(manifest, dest)
         return manifest
 
     def retract(self, version: int, kind: str = "policy") -> dict | None:
@@ -332,66 +356,11 @@ class ModelStore:
         return removed
 
 
-def checkpoint_ref(store: ModelStore, manifest: dict) -> str:
-    """A string naming one committed checkpoint anywhere in the cluster (root, run, kind, version, id, and the
-    non-secret storage options and cache dir), handed to workers where a local path used to be."""
-    ref = {
-        "root": store.root,
-        "run_id": store.run_id,
-        "kind": manifest["kind"],
-        "version": manifest["version"],
-        "checkpoint_id": manifest["checkpoint_id"],
-        "cache_dir": str(store.cache_dir),
-        "options": store.options,
-    }
-    return REF_PREFIX + json.dumps(ref, sort_keys=True)
-
-
-def resolve_model_dir(model_dir: str | Path) -> Path:
-    """A local directory for what a worker was handed: a local path as is, a checkpoint reference as the copy
-    cached on this node under its checkpoint id (downloaded on first use)."""
-    text = str(model_dir)
-    if not text.startswith(REF_PREFIX):
-        return Path(model_dir)
-    ref = json.loads(text[len(REF_PREFIX) :])
-    store = ModelStore(ref["root"], ref["run_id"], cache_dir=ref["cache_dir"], options=ref["options"])
-    cached = store.cache_dir / _cache_name(ref["checkpoint_id"])
-    if (cached / "config.json").is_file():
-        return cached
-    m = store.manifest(ref["version"], ref["kind"])
-    if m is None or m.get("checkpoint_id") != ref["checkpoint_id"]:
-        raise FileNotFoundError(
-            f"{ref['kind']} version {ref['version']} of run {ref['run_id']} under {ref['root']} is no longer "
-            f"checkpoint {ref['checkpoint_id']} (now: {None if m is None else m.get('checkpoint_id')}): it was "
-            "retracted or re-materialized after this request was made; re-run the stage that needs it"
-        )
-    return store._cached(m)
-
-
-def checkpoint_target(store: ModelStore, kind: str, version: int) -> str:
-    """A string naming where a worker commits `kind` version `version` (the counterpart of checkpoint_ref for a
-    writer): pass it where a stage takes an output directory; `writing` commits to it."""
-    ref = {"root": store.root, "run_id": store.run_id, "kind": kind, "version": int(version)}
-    ref |= {"checkpoint_id": None, "cache_dir": str(store.cache_dir), "options": store.options}
-    return REF_PREFIX + json.dumps(ref, sort_keys=True)
-
-
-@contextmanager
-def writing(out: str | Path, *, checkpoint_id: str | None = None) -> Iterator[Path]:
-    """A directory to fill with a checkpoint: for a checkpoint_target, committed to its store on a clean exit
-    (ModelStore.writer); for a plain directory, written whole or not at all (atomic_dir)."""
-    text = str(out)
-    if not text.startswith(REF_PREFIX):
-        with atomic_dir(out) as tmp:
-            yield tmp
-        return
-    ref = json.loads(text[len(REF_PREFIX) :])
-    store = ModelStore(ref["root"], ref["run_id"], cache_dir=ref["cache_dir"], options=ref["options"])
-    with store.writer(ref["kind"], ref["version"], checkpoint_id=checkpoint_id) as staged:
-        yield staged.dir
-
-
-def ref_checkpoint_id(model_dir: str | Path) -> str | None:
-    """The checkpoint id a reference names (None for a plain path: read it from the directory)."""
-    text = str(model_dir)
-    return json.loads(text[len(REF_PREFIX) :])["checkpoint_id"] if text.startswith(REF_PREFIX) else None
+from stages.io.checkpoint_refs import (  # noqa: E402, F401 - re-exported; they build ModelStores of references
+    REF_PREFIX,
+    checkpoint_ref,
+    checkpoint_target,
+    ref_checkpoint_id,
+    resolve_model_dir,
+    writing,
+)

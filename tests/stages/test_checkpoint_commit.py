@@ -143,3 +143,50 @@ def test_checkpoints_table_has_one_row_per_commit_with_lineage(tiny_checkpoint, 
     record_checkpoint(tables, cfg, policy, 0, upstream={"advantages": 8})
     rows, _ = tables.read("checkpoints", "R", 0)
     assert len(rows) == 2
+
+
+def _cached_versions(cache: Path) -> list[int]:
+    """Versions whose whole copy is in node cache `cache` (its index records each copy)."""
+    entries = [json.loads(p.read_text()) for p in (cache / ".index").glob("*.json")]
+    return sorted(e["version"] for e in entries if (cache / e["dir"] / "config.json").is_file())
+
+
+@pytest.mark.cluster
+def test_s3_node_cache_keeps_the_newest_versions_and_v0(tiny_checkpoint, s3_env, tmp_path) -> None:
+    root = s3_env.root("prune/checkpoints")
+    writer = ModelStore(root, "run", cache_dir=tmp_path / "writer", keep_versions=2)
+    for v in range(5):  # the trainer's node keeps its own commits: pruned as they arrive
+        _commit(writer, tiny_checkpoint, v)
+    assert _cached_versions(tmp_path / "writer") == [0, 3, 4]
+    assert len([d for d in (tmp_path / "writer").iterdir() if not d.name.startswith(".")]) == 3  # nothing else left
+    reader = ModelStore(root, "run", cache_dir=tmp_path / "reader", keep_versions=2)
+    for v in (1, 2, 3):  # an engine's node fetching each new version
+        resolve_model_dir(reader.require(v, needed_by="test"))
+    assert _cached_versions(tmp_path / "reader") == [2, 3]
+    assert reader.fetch(1).is_dir() and _cached_versions(tmp_path / "reader") == [1, 2, 3]  # just fetched: kept
+    reader.fetch(4)
+    assert _cached_versions(tmp_path / "reader") == [3, 4]
+
+
+@pytest.mark.cluster
+def test_s3_driver_reads_the_tokenizer_and_fingerprint_without_the_weights(tiny_checkpoint, s3_env, tmp_path) -> None:
+    from stages.models.fingerprint import fingerprint_checkpoint
+    from stages.models.policy import load_tokenizer
+
+    root = s3_env.root("tok/checkpoints")
+    writer = ModelStore(root, "run", cache_dir=tmp_path / "writer")
+    (tmp_path / "src").mkdir()
+    for f in tiny_checkpoint.iterdir():
+        shutil.copy2(f, tmp_path / "src" / f.name)
+    (tmp_path / "src" / "optimizer.pt").write_bytes(b"\0" * 4096)  # optimizer state, as the trainer's commits hold
+    _commit(writer, tmp_path / "src", 1)
+    driver = ModelStore(root, "run", cache_dir=tmp_path / "driver")
+    tok_dir = driver.fetch_tokenizer(1)
+    got = {p.name for p in tok_dir.iterdir()}
+    assert "config.json" in got and any(n.startswith("tokenizer") for n in got), got
+    assert not [n for n in got if n.endswith((".safetensors", ".pt", ".bin"))], got
+    assert load_tokenizer(tok_dir).encode("12+3") == load_tokenizer(tiny_checkpoint).encode("12+3")
+    assert driver.policy_fingerprint(1) == fingerprint_checkpoint(tiny_checkpoint)  # from the manifest
+    weights = [p for p in (tmp_path / "driver").rglob("*") if p.suffix in (".safetensors", ".pt")]
+    assert weights == [], weights
+    assert writer.fetch_tokenizer(1) == writer.fetch(1)  # a node holding the whole copy reads it there
