@@ -6,7 +6,7 @@ own mount namespace with a private /tmp (tests/cluster/ray_cluster.py). The driv
 submit` would run it, with its output_dir on the head's private /tmp; the trainer ranks are pinned to node a and
 the rollout engine to node b by per-role resources, so every hand-off between driver, trainer and engine has to
 go through the bucket or Ray's object store. Worker nodes get no S3 credentials from their own environment:
-the run forwards them with ray.runtime_env.env_vars_from.
+the run forwards them with ray.runtime_env.env_vars_from, by a setup hook, so that no node's Ray logs hold them.
 
 The tests share one run and go in order: train 2 iterations, check where things landed, re-score iteration 1
 from a second process through the Postgres instance, kill the rollout node and resume to 3 iterations.
@@ -25,7 +25,7 @@ import pytest
 from deltalake import DeltaTable
 
 from tests.cluster.ray_cluster import RayCluster
-from tests.servers import start_mlflow, start_postgres, start_s3
+from tests.servers import ACCESS_KEY, SECRET_KEY, start_mlflow, start_postgres, start_s3
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -67,6 +67,7 @@ class Env:
             f"storage.root={self.s3.root(PREFIX)}",
             f"storage.options={opts}",
             f"storage.cache_dir={CACHE}",
+            "storage.cache_keep_versions=1",  # each node keeps version 0 and its newest version
             f"trainer.output_dir={DRIVER_OUT}",
             f"trainer.mlflow_tracking_uri={self.mlflow.url}",
             "trainer.test_freq=100",  # validation before the first and after the last iteration only
@@ -163,6 +164,38 @@ def test_no_node_keeps_anything_but_its_cache(env, trained):
     assert not [f for f in driver if f.startswith(("/tables/", "/checkpoints/"))], driver[:20]
     # MLflow's artifacts went through the server into the bucket, not onto the driver's disk
     assert any(k.startswith("mlartifacts/") for k in env.s3.keys("mlartifacts/"))
+
+
+def _node_files(node, under: str) -> list[Path]:
+    base = Path(f"/proc/{node.proc.pid}/root{under}")
+    return [p for p in base.rglob("*") if p.is_file()] if base.is_dir() else []
+
+
+def test_no_node_log_holds_the_storage_credentials(env, trained):
+    """env_vars_from's values reach the workers (they read the bucket) without entering any Ray log or record:
+    every file of every node's Ray session dir (runtime_env_agent.log included), and the driver's logs."""
+    files = [f for n in ("head", "a", "b") for f in _node_files(env.cluster.node(n), "/tmp/ray")]
+    files += _node_files(env.cluster.node("head"), DRIVER_OUT)
+    assert any(f.name == "runtime_env_agent.log" for f in files), "Ray's session dirs were not found"
+    leaks = [str(f) for f in files for s in (SECRET_KEY, ACCESS_KEY) if s.encode() in f.read_bytes()]
+    assert leaks == [], leaks
+
+
+def test_lease_released_and_caches_pruned_and_driver_read_no_weights(env, trained):
+    # the run's lease is in the bucket, released by the driver's clean exit
+    leases = [k for k in env.s3.keys(f"{PREFIX}/leases/{RUN_ID}/") if k.endswith(".json")]
+    record = json.loads(env.s3.client().get_object(Bucket=env.s3.bucket, Key=leases[-1])["Body"].read())
+    assert record["released"] is True and record["run_id"] == RUN_ID, record
+    # node caches: version 0 and the newest version per kind (cache_keep_versions=1); node a committed 1 and 2
+    cached = {}
+    for name in ("head", "a", "b"):
+        index = _node_files(env.cluster.node(name), f"{CACHE}/.index")
+        cached[name] = {(e["version"], e["dir"]) for e in (json.loads(p.read_text()) for p in index)}
+    assert {v for v, _ in cached["a"]} == {0, 2} or {v for v, _ in cached["a"]} == {2}, cached
+    # the driver (head) read tokenizers and fingerprints of versions 1 and 2 without their weights
+    head_weights = [p for p in _node_files(env.cluster.node("head"), CACHE) if p.suffix in (".safetensors", ".pt")]
+    later = {d for v, d in cached["head"] if v > 0}
+    assert not [p for p in head_weights if any(d in str(p) for d in later)], (head_weights, cached["head"])
 
 
 def test_rescore_from_a_second_process_through_postgres(env, trained):
