@@ -97,13 +97,15 @@ class TinyModelConfig(_Strict):
     steps when warmstart_target_loss is set)."""
     warmstart_target_loss: float | None = None
     """Null: a cosine schedule over warmstart_steps. Else a constant lr until the moving average of the
-    SFT loss is below this, then a linear cool-down over a fifth of the steps taken, so the warm start
-    ends at the same quality whatever the seed or the CPU's float rounding (docs/reproducibility.md)."""
+    SFT loss above its floor (the entropy of warmstart_answer_formats; 0 with one format) is below this, then
+    a linear cool-down over a fifth of the steps taken, so the warm start ends at the same quality whatever
+    the seed or the CPU's float rounding (docs/reproducibility.md)."""
     warmstart_lr: float = 3e-3
     warmstart_batch_size: int = 64
     warmstart_answer_formats: list[str] = ["#### {answer}"]
-    """Response templates of the warm start, cycled over examples. Mixing formats the reward does not
-    accept (e.g. "{answer}") leaves RL a format to discover, as in the first phase of GSM8K runs."""
+    """Response templates of the warm start: each training prompt once per template (one listed k times
+    weighs k). Mixing formats the reward does not accept (e.g. "{answer}") leaves RL a format to discover,
+    as in the first phase of GSM8K runs (configs/tiny_cpu.yaml, docs/main_job.md)."""
     tool_tokens: bool = False
     """Append Hermes tool-call tokens to the char tokenizer's vocab: `<tool_call>`, `</tool_call>`, the tool role
     `<|tool|>` and the JSON characters it lacks (stages/models/tiny.py); needed by multi-turn tool rollouts.

@@ -4,6 +4,12 @@
                                                     # output dir, then prints the table (markdown)
     python scripts/main_job.py --output-dir rlake_output   # only the table, of the newest run there
                                                     # (e.g. the run README command 1 just made)
+    python scripts/main_job.py --seeds 0 1 2        # one run per seed, each in its own output dir: per-seed
+                                                    # rows of v0 vs final held-out scores and the band of gains
+
+Seed S sets every seed of the job: `seed=S` (the tiny model's init and warm-start batches),
+`data.synthetic.seed=S` (which problems are train and which held out) and `rollout.seed=S` (sampling), so
+seed 0 is the job as configured.
 
 The table: held-out reward per validated policy version (greedy mean@1, sampled mean@n), training
 reward and entropy per iteration, wall time per phase (from the run's own log lines), the versions of
@@ -118,10 +124,17 @@ def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
         "|---|---:|---:|",
     ]
     lines += [f"| {int(v)} | {row[sampled]:.3f} | {row[greedy]:.3f} |" for v, row in val.iterrows()]
+    first, last = val.index[0], val.index[-1]
+    gain = {k: float(val.at[last, c] - val.at[first, c]) for k, c in (("sampled", sampled), ("greedy", greedy))}
+    lines += [
+        "",
+        f"Gain from policy v{int(first)} to v{int(last)}: sampled {gain['sampled']:+.3f}, greedy {gain['greedy']:+.3f}",
+    ]
     train = wide["critic/score/mean"].dropna() if "critic/score/mean" in wide else None
     result = {
         "run_id": run_id,
         "validation": {int(v): {"sampled": float(r[sampled]), "greedy": float(r[greedy])} for v, r in val.iterrows()},
+        "gain": gain,
     }
     if train is not None and len(train):
         it = [int(v) - 1 for v in train.index]  # metrics of iteration i are logged at policy version i+1
@@ -173,19 +186,25 @@ def environment() -> dict:
     }
 
 
-def train_or_read(
-    argv: list[str] | None, doc: str, config: str, prefix: str
-) -> tuple[argparse.Namespace, Path, str, dict | None]:
-    """The command line of a README-numbers script: (its arguments, the run's tables dir, its run id, the run's
-    wall times or None). Without --output-dir it runs `rlake train --config <config>` (default `config`) in a new
-    directory named `prefix*` under the temp dir; with it, it reads the newest run there (or --run-id)."""
+def script_arguments(doc: str, config: str) -> argparse.ArgumentParser:
+    """The arguments every README-numbers script takes (train_or_read's)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=config)
     p.add_argument("--output-dir", default=None, help="summarize the newest run there instead of training")
     p.add_argument("--run-id", default=None, help="with --output-dir: this run instead of the newest")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     p.add_argument("override", nargs="*", help="key.sub=value overrides passed to rlake train")
-    args = p.parse_args(argv)
+    return p
+
+
+def train_or_read(
+    argv: list[str] | None, doc: str, config: str, prefix: str, args: argparse.Namespace | None = None
+) -> tuple[argparse.Namespace, Path, str, dict | None]:
+    """The command line of a README-numbers script: (its arguments, the run's tables dir, its run id, the run's
+    wall times or None). Without --output-dir it runs `rlake train --config <config>` (default `config`) in a new
+    directory named `prefix*` under the temp dir; with it, it reads the newest run there (or --run-id).
+    `args`: already parsed (script_arguments), instead of argv."""
+    args = args if args is not None else script_arguments(doc, config).parse_args(argv)
     timings = None
     if args.output_dir is None:
         out = Path(tempfile.mkdtemp(prefix=prefix))
@@ -196,10 +215,59 @@ def train_or_read(
     return args, tables, args.run_id or newest_run(tables), timings
 
 
+def seed_overrides(seed: int) -> list[str]:
+    """The overrides of one --seeds run: every seed of the job set to `seed` (the module docstring)."""
+    return [f"seed={seed}", f"data.synthetic.seed={seed}", f"rollout.seed={seed}"]
+
+
+def band_table(results: dict[int, dict]) -> str:
+    """Per seed: held-out scores of policy v0 and the last validated version, their gains and wall time; then
+    the band (min..max over seeds) of each gain."""
+    lines = [
+        "| seed | sampled v0 | sampled final | sampled gain | greedy v0 | greedy final | greedy gain | wall s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for seed, r in results.items():
+        val = r["validation"]
+        v0, vn = val[min(val)], val[max(val)]
+        wall = r.get("timings", {}).get("wall_s")
+        lines.append(
+            f"| {seed} | {v0['sampled']:.3f} | {vn['sampled']:.3f} | {r['gain']['sampled']:+.3f} | "
+            f"{v0['greedy']:.3f} | {vn['greedy']:.3f} | {r['gain']['greedy']:+.3f} | "
+            + (f"{wall:.0f} |" if wall is not None else "- |")
+        )
+    band = {
+        k: (min(r["gain"][k] for r in results.values()), max(r["gain"][k] for r in results.values()))
+        for k in ("sampled", "greedy")
+    }
+    lines += [
+        "",
+        f"Band of the gain over seeds {' '.join(map(str, results))}: held-out sampled {band['sampled'][0]:+.3f} to "
+        f"{band['sampled'][1]:+.3f}, greedy {band['greedy'][0]:+.3f} to {band['greedy'][1]:+.3f}",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, tables, run_id, timings = train_or_read(argv, __doc__, "configs/tiny_cpu.yaml", "rlake-main-job-")
-    text, result = build_table(metrics_frame(tables, run_id), timings, run_id)
-    print("\n" + text)
+    p = script_arguments(__doc__, "configs/tiny_cpu.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="one run per seed (seed_overrides); the band")
+    args = p.parse_args(argv)
+    if args.seeds is None:
+        args, tables, run_id, timings = train_or_read(None, __doc__, args.config, "rlake-main-job-", args=args)
+        text, result = build_table(metrics_frame(tables, run_id), timings, run_id)
+        print("\n" + text)
+    else:
+        if args.output_dir is not None or args.run_id is not None:
+            p.error("--seeds trains one run per seed in new directories; it takes no --output-dir / --run-id")
+        runs, result = {}, {"seeds": {}}
+        for seed in args.seeds:
+            out = Path(tempfile.mkdtemp(prefix=f"rlake-main-job-seed{seed}-"))
+            timings = run_main_job(out, args.config, [*seed_overrides(seed), *args.override])
+            run_id = newest_run(out / "tables")
+            text, runs[seed] = build_table(metrics_frame(out / "tables", run_id), timings, run_id)
+            print(f"\nSeed {seed} ({' '.join(seed_overrides(seed))}):\n\n{text}", flush=True)
+        result["seeds"] = runs
+        print("\n" + band_table(runs))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -12,7 +12,7 @@ from stages.data.tool_arith import CALCULATOR, TOOL_ARITH_SOURCE, hermes_tool_ca
 from stages.io.checkpoints import writing
 from stages.models.policy import load_policy, observation_token_ids, save_policy
 from stages.models.smollm2 import resolve_model_path
-from stages.models.tiny import Segment, build_char_tokenizer, build_tiny_model, warmstart_sft
+from stages.models.tiny import Segment, build_char_tokenizer, build_tiny_model, warmstart_loss_floor, warmstart_sft
 
 
 def tool_demo(tok, expression: str, answer: str, *, opens: bool = True) -> list[Segment]:
@@ -30,12 +30,13 @@ def tool_demo(tok, expression: str, answer: str, *, opens: bool = True) -> list[
 
 
 def warmstart_examples(tiny_cfg, tok, train_prompts: pd.DataFrame) -> list[tuple[list[dict], str | list[Segment]]]:
-    """(messages, response) warm-start examples: per train prompt a warmstart_answer_formats answer (cycled),
-    except for rlake/tool_arith rows. Those show the calculator trajectory (tool_demo) at an even spread of
-    warmstart_tool_call_fraction f of them (row k of them when floor((k+1)f) > floor(kf)) and answer directly
-    otherwise, so the model opens a call on about f of the prompts. Every direct-answer row also gets its
-    trajectory with the opening token not trained: the call's body and the copy of the observation are learned
-    from every row, the decision to call from f of them."""
+    """(messages, response) warm-start examples: per train prompt one answer in each warmstart_answer_formats
+    format (a format listed k times, k rows: the model learns the formats' shares on every prompt, not which
+    prompt had which; with one format, one row), except for rlake/tool_arith rows. Those show the calculator
+    trajectory (tool_demo) at an even spread of warmstart_tool_call_fraction f of them (row k of them when
+    floor((k+1)f) > floor(kf)) and answer directly otherwise, so the model opens a call on about f of the
+    prompts. Every direct-answer row also gets its trajectory with the opening token not trained: the call's body
+    and the copy of the observation are learned from every row, the decision to call from f of them."""
     formats, frac = tiny_cfg.warmstart_answer_formats, tiny_cfg.warmstart_tool_call_fraction
     examples: list[tuple[list[dict], str | list[Segment]]] = []
     k = 0  # index among the tool rows
@@ -44,7 +45,7 @@ def warmstart_examples(tiny_cfg, tok, train_prompts: pd.DataFrame) -> list[tuple
     ):
         answer = formats[i % len(formats)].format(answer=rm["ground_truth"])
         if source != TOOL_ARITH_SOURCE:
-            examples.append((list(p), answer))
+            examples += [(list(p), f.format(answer=rm["ground_truth"])) for f in formats]
             continue
         if not tiny_cfg.tool_tokens:
             raise ValueError(
@@ -73,6 +74,8 @@ def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> t
         if losses
         else {}
     )
+    if losses and len(model_cfg.tiny.warmstart_answer_formats) > 1:
+        meta["warmstart_loss_floor"] = warmstart_loss_floor(tok, examples)
     return model, tok, meta
 
 

@@ -109,12 +109,14 @@ def warmstart_sft(
             for a multi-turn demonstration, a list of segments (token ids or text, trainable): the segments are
             concatenated as given (no EOS added) and the loss skips the non-trainable ones (tool observations).
         cfg: configs.schema.TinyModelConfig (warmstart_steps, warmstart_target_loss, warmstart_lr,
-            warmstart_batch_size).
+            warmstart_batch_size). The target applies to the loss above the batch's floor (response_floor_nats):
+            the raw loss with one response per prompt.
     """
     gen = torch.Generator().manual_seed(seed)
     rows = [
         (encode_chat(tokenizer, messages)[0], *_response_ids(tokenizer, response)) for messages, response in examples
     ]
+    floors = torch.tensor(response_floor_nats(rows), dtype=torch.float64)  # (len(rows),)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0)
     schedule = _WarmstartSchedule(cfg.warmstart_steps, cfg.warmstart_target_loss)
     model.train()
@@ -132,10 +134,39 @@ def warmstart_sft(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss.detach()))
-        schedule.observe(losses[-1])
+        # the schedule sees the loss above what the best model of this batch still pays (0 with one format):
+        # the batch's floor in nats over its trained tokens, as HF's loss averages them (labels shifted by one)
+        floor = float(floors[idx].sum()) / max(int((labels[:, 1:] != -100).sum()), 1)
+        schedule.observe(losses[-1] - floor)
     torch.set_num_threads(threads)
     model.eval()
     return losses
+
+
+def response_floor_nats(rows: list[tuple[list[int] | str, list[int], list[bool] | None]]) -> list[float]:
+    """Per warm-start row (prompt ids, response ids, trained flags), the loss in nats that even the best model
+    pays on it: -log(share of that prompt's text responses that are this response). A prompt shown with one
+    response costs 0; one shown with "{answer}" three times and "#### {answer}" once (warmstart_answer_formats)
+    costs -log(3/4) and -log(1/4), since no model can tell from the prompt which format a row uses. Multi-turn
+    rows (trained flags) cost 0 and are not counted: their untrained tokens are no choice the loss sees."""
+    counts: dict[tuple, int] = {}
+    for p, r, trained in rows:
+        if trained is None:
+            for key in ((tuple(p),), (tuple(p), tuple(r))):
+                counts[key] = counts.get(key, 0) + 1
+    return [
+        0.0 if trained is not None else -math.log(counts[(tuple(p), tuple(r))] / counts[(tuple(p),)])
+        for p, r, trained in rows
+    ]
+
+
+def warmstart_loss_floor(tokenizer, examples: list[tuple[list[dict], str | list[Segment]]]) -> float:
+    """The warm-start loss (nats per trained token) of the best model of `examples` (warmstart_sft's): the floor
+    under warmstart_last_loss, 0.0 with one response per prompt."""
+    rows = [(repr(messages), *_response_ids(tokenizer, response)) for messages, response in examples]
+    floors = response_floor_nats(rows)
+    tokens = sum(len(r) if trained is None else sum(trained) for _, r, trained in rows)
+    return sum(floors) / max(tokens, 1)
 
 
 def _response_ids(tokenizer, response: str | list[Segment]) -> tuple[list[int], list[bool] | None]:
@@ -171,8 +202,9 @@ def _sft_batch(
 
 class _WarmstartSchedule:
     """lr factor per SFT step. Without a target loss: cosine from 1 to 0 over max_steps. With one: 1
-    until the moving average (over EMA_STEPS) of the loss is below it, then linear to 0 over a fifth of
-    the steps taken (at least 50); max_steps bounds the whole, cool-down included."""
+    until the moving average (EMA) of the observed loss (warmstart_sft's: the loss above its floor) is below
+    it, then linear to 0 over a fifth of the steps taken (at least 50); max_steps bounds the whole, cool-down
+    included."""
 
     EMA = 0.95
 

@@ -27,6 +27,7 @@ CI_SIZE = [
     "model.tiny.warmstart_steps=150",
     "model.tiny.warmstart_batch_size=32",
     "model.tiny.warmstart_target_loss=null",
+    'model.tiny.warmstart_answer_formats=["#### {answer}"]',
     "rollout.name=hf",
     "rollout.n=4",
     "rollout.micro_batch_size=64",
