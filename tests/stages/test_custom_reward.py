@@ -293,7 +293,8 @@ def test_delta_gets_the_extra_columns_and_commits_record_reward_versions(tmp_pat
     path = _write(tmp_path, "format_reward.py", FORMAT_REWARD)
     scored = score_rollouts(rollouts, _cfg(path, reward_kwargs={"bonus": 0.5}), use_ray=False)
     store.write_partition(uri, "scored_rollouts", scored, run_id="r", iteration=0, lineage={"stage": "scored_rollouts"})
-    custom = f"format_reward.py:compute_score@{_sha12(FORMAT_REWARD)}"
+    kwargs = _sha12('{"bonus":0.5}')  # reward_kwargs are part of the version
+    custom = f"format_reward.py:compute_score@{_sha12(FORMAT_REWARD)}+kwargs@{kwargs}"
     assert store.commit_lineage(uri)[0]["reward_versions"] == [custom]
     changed = query(
         tmp_path / "tables",
