@@ -25,6 +25,7 @@ from stages.train.ppo_loop import (
     accumulate_grads,
     actor_loss,
     apply_rollout_correction,
+    global_minibatch_count,
     mean_over_workers,
     ppo_loop,
 )
@@ -99,7 +100,8 @@ def ppo_update(
         batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature, param_dtype=param_dtype)
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // world
-    assert n % per_worker_mini == 0, f"{n=} rollouts not divisible into mini-batches of {per_worker_mini}"
+    # a batch short of a multiple of the mini-batch (flagged rollouts dropped) keeps its number of steps
+    total, steps = global_minibatch_count(n, per_worker_mini, world)
     metrics = MetricAccumulator()
     metrics.add_all(apply_rollout_correction(batch, rollout_correction, dp_size=world))
 
@@ -122,8 +124,9 @@ def ppo_update(
         metrics=metrics,
         prefix="actor",
         error=ACTOR_GRAD_ERROR,
+        steps=steps,
     )
     model.eval()
     out = mean_over_workers(metrics.means(), world)
-    out["actor/num_rollouts"] = float(n * world)
+    out["actor/num_rollouts"] = float(total)
     return out

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from stages.train.precision import autocast
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def is_null(value) -> bool:
@@ -205,3 +209,21 @@ def engine_logprobs(rows: dict, width: int) -> Tensor:
             "algorithm.rollout_correction.rollout_is and rollout_rs to null"
         )
     return ragged_to_padded(lists, width)
+
+
+def stored_old_logprobs(part: pd.DataFrame) -> list[list[float]] | None:
+    """The rows' old_logprobs (the old_logprobs stage's, one per response token), or None when the table has
+    none (written by an older rlake or by a test: every list empty or null), so the update recomputes them."""
+    if "old_logprobs" not in part.columns:
+        return None
+    old = [[] if x is None else list(x) for x in part["old_logprobs"]]
+    lengths = [len(r) for r in part["response_token_ids"]]
+    if not any(old):
+        return None
+    bad = [int(i) for i, o, n in zip(part["rollout_id"], old, lengths, strict=True) if len(o) != n][:10]
+    if bad:
+        raise ValueError(
+            f"rollouts {bad} of the advantages table have old_logprobs of another length than their response: "
+            "re-materialize old_logprobs and advantages of this iteration"
+        )
+    return old

@@ -233,7 +233,6 @@ def critic_update(
     batch["returns"] = masked_fill_zero(ragged_to_padded(rows["returns"], width), batch["response_mask"])  # (N, L)
     batch = to_device(batch, model_device(model))
     mini_size, micro = critic_cfg.ppo_mini_batch_size * n_per_prompt, critic_cfg.ppo_micro_batch_size
-    assert n % mini_size == 0, f"{n=} rollouts not divisible into critic mini-batches of {mini_size}"
     metrics = MetricAccumulator()
 
     def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:

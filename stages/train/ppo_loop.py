@@ -70,12 +70,38 @@ def mean_over_workers(metrics: dict[str, float], world: int, group=None) -> dict
     return {k: float(v) / world for k, v in zip(keys, t, strict=True)}
 
 
-def minibatches(n: int, per_worker_mini: int, epochs: int, generator: torch.Generator) -> Iterator[Tensor]:
-    """Row indices of each mini-batch: per epoch one permutation of range(n) from `generator`, cut in order."""
+def minibatches(
+    n: int, per_worker_mini: int, epochs: int, generator: torch.Generator, steps: int | None = None
+) -> Iterator[Tensor]:
+    """Row indices of each mini-batch: per epoch one permutation of range(n) from `generator`, cut in order
+    into `steps` parts (default ceil(n / per_worker_mini)) whose sizes differ by at most one. A multiple of
+    per_worker_mini is cut into mini-batches of exactly per_worker_mini rows; a batch that lost rows (the
+    reward stage's flagged rollouts dropped) keeps its number of optimizer steps, each a little smaller."""
+    steps = steps or -(-n // per_worker_mini)
+    assert n >= steps, f"{n=} rows cannot fill {steps=} mini-batches"
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
-        for m0 in range(0, n, per_worker_mini):
-            yield order[m0 : m0 + per_worker_mini]
+        yield from order.tensor_split(steps)
+
+
+def shard_for_rank(n: int, mini: int, rank: int, world: int) -> list[int]:
+    """Indices of this rank's rows: the rank-th contiguous slice of every mini-batch of `mini` rows (mini / world
+    rows each). A last mini-batch short of `mini` rows (the reward stage's flagged rollouts were dropped,
+    reward.on_error='flag') is split as evenly as its rows allow."""
+    sizes = [(m, min(mini, n - m)) for m in range(0, n, mini)]
+    return [i for m, size in sizes for i in range(m + rank * size // world, m + (rank + 1) * size // world)]
+
+
+def global_minibatch_count(n: int, per_worker_mini: int, world: int = 1, group=None) -> tuple[int, int]:
+    """(rollouts over all `world` data-parallel ranks, optimizer steps per epoch = ceil(that / (world *
+    per_worker_mini))): every rank takes the same number of steps, also when the ranks hold unequal shares of
+    a batch that is not a multiple of the mini-batch size (shard_for_rank)."""
+    total = n
+    if world > 1:
+        t = torch.tensor([n], dtype=torch.int64, device=collective_device(group))
+        dist.all_reduce(t, group=group)
+        total = int(t.item())
+    return total, -(-total // (per_worker_mini * world))
 
 
 def ppo_loop(
@@ -92,15 +118,17 @@ def ppo_loop(
     metrics: MetricAccumulator,
     prefix: str,
     error: str,
+    steps: int | None = None,
 ) -> None:
-    """The optimizer steps of one update over n rollouts (see the module docstring).
+    """The optimizer steps of one update over n rollouts (see the module docstring); `steps` per epoch (default
+    ceil(n / mini_batch_size); data-parallel ranks pass global_minibatch_count's, so they all take as many).
 
     backward(micro-batches) runs forward/backward of one mini-batch, given as the row indices of each of
     its micro-batches (micro_batch_size rows, the last one may be smaller), each loss divided by their
     number; finish_grads() makes the gradients final and returns the global grad norm; then one
     optimizer_step (error: the message of a non-finite norm, prefix: of the grad_norm and lr metrics)."""
     gen = torch.Generator().manual_seed(seed)
-    for mini in minibatches(n, mini_batch_size, epochs, gen):
+    for mini in minibatches(n, mini_batch_size, epochs, gen, steps):
         backward(list(mini.split(micro_batch_size)))
         grad_norm = finish_grads()
         optimizer_step(optimizer, scheduler, grad_norm, metrics.add, prefix=prefix, error=error)

@@ -60,7 +60,7 @@ from stages.io.checkpoints import (
 from stages.io.store import read_partition
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
-from stages.train.batching import pad_rollouts, row_masks
+from stages.train.batching import pad_rollouts, row_masks, stored_old_logprobs
 from stages.train.fsdp import gather_checkpoint, no_grad_sync, shard_policy
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
 from stages.train.megatron.cpu_patches import apply_cpu_patches
@@ -73,6 +73,7 @@ from stages.train.megatron.state import (
     model_parallel_ranks,
 )
 from stages.train.optim import make_optimizer, restore_optimizer
+from stages.train.ppo_loop import shard_for_rank
 from stages.workers.group import Worker
 from stages.workers.placement import collective_backend
 from stages.workers.requests import UpdateRequest
@@ -80,12 +81,6 @@ from stages.workers.requests import UpdateRequest
 METRICS_FILE = "update_metrics.json"
 """The update's metrics, kept beside the checkpoint as a record; the driver takes them from the update call's
 return value (through Ray), never from this file."""
-
-
-def shard_for_rank(n: int, mini: int, rank: int, world: int) -> list[int]:
-    """Indices of this rank's rows: the rank-th contiguous slice of every mini-batch of `mini` rows."""
-    per = mini // world
-    return [m + rank * per + j for m in range(0, n, mini) for j in range(per)]
 
 
 def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
@@ -108,24 +103,6 @@ def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
     if old is not None:
         rows["old_logprobs"] = old
     return rows
-
-
-def stored_old_logprobs(part: pd.DataFrame) -> list[list[float]] | None:
-    """The rows' old_logprobs (the old_logprobs stage's, one per response token), or None when the table has
-    none (written by an older rlake or by a test: every list empty or null), so the update recomputes them."""
-    if "old_logprobs" not in part.columns:
-        return None
-    old = [[] if x is None else list(x) for x in part["old_logprobs"]]
-    lengths = [len(r) for r in part["response_token_ids"]]
-    if not any(old):
-        return None
-    bad = [int(i) for i, o, n in zip(part["rollout_id"], old, lengths, strict=True) if len(o) != n][:10]
-    if bad:
-        raise ValueError(
-            f"rollouts {bad} of the advantages table have old_logprobs of another length than their response: "
-            "re-materialize old_logprobs and advantages of this iteration"
-        )
-    return old
 
 
 def write_checkpoint(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -21,18 +22,21 @@ import re
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     found = re.findall(r"#### (-?[0-9]+)", solution_str)
+    if extra_info["index"] % 2 and len(solution_str) % 2 == 0 and solution_str != ground_truth:
+        raise ValueError(f"cannot parse {solution_str!r}")  # some rows of some groups
     correct = bool(found) and found[-1] == ground_truth
     return {"score": 1.0 if correct else 0.1 * bool(found), "format_ok": bool(found), "index": extra_info["index"]}
 """
 
 
-def test_train_scores_with_a_custom_reward_function(tmp_path, ray_session, monkeypatch) -> None:
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "out" / "dagster_home"))  # restored after the test
-    fn = tmp_path / "my_rewards" / "format_reward.py"
-    fn.parent.mkdir()
-    fn.write_text(REWARD)
-    out = tmp_path / "out"
-    rc = main(
+def _raises(row) -> bool:
+    """Whether REWARD raises on a scored_rollouts row (never on preflight's probe: the ground truth itself)."""
+    index, text = json.loads(row["extra_info"])["index"], row["response_text"]
+    return bool(index % 2 and len(text) % 2 == 0 and text != row["ground_truth"])
+
+
+def _train(out, fn, *overrides: str) -> int:
+    return main(
         [
             "train",
             "--config",
@@ -40,26 +44,57 @@ def test_train_scores_with_a_custom_reward_function(tmp_path, ray_session, monke
             "--run-id",
             "custom",
             f"trainer.output_dir={out}",
-            "trainer.total_training_steps=1",
             f"reward.custom_reward_function.path={fn}",
+            *overrides,
         ]
     )
+
+
+@pytest.fixture(scope="module")
+def flagged_run(tmp_path_factory, ray_session):
+    """One ci_tiny iteration scored by REWARD under reward.on_error=flag: (output dir, reward file)."""
+    tmp = tmp_path_factory.mktemp("custom_reward")
+    out = tmp / "out"
+    os.environ["DAGSTER_HOME"] = str(out / "dagster_home")
+    fn = tmp / "my_rewards" / "format_reward.py"
+    fn.parent.mkdir()
+    fn.write_text(REWARD)
+    rc = _train(out, fn, "trainer.total_training_steps=1", "reward.on_error=flag")
+    yield out, fn, rc
+    os.environ.pop("DAGSTER_HOME", None)
+
+
+def test_train_scores_with_a_custom_reward_function_and_trains_without_flagged_rows(flagged_run) -> None:
+    out, _, rc = flagged_run
     assert rc == 0
     uri = str(out / "tables" / "scored_rollouts")
     scored = store.read_partition(uri, "custom", 0)
     version = f"format_reward.py:compute_score@{hashlib.sha256(REWARD.encode()).hexdigest()[:12]}"
     assert set(scored["reward_version"]) == {version} and set(scored["reward_fn"]) == {"format_reward.compute_score"}
-    assert scored["reward_error"].isna().all() and len(scored) == 8 * 4
+    assert len(scored) == 8 * 4
+    # on_error=flag: the rows the function raised on stay in scored_rollouts, flagged (reward NaN, reward_error)
+    flagged = scored["reward_error"].notna()
+    assert flagged.tolist() == scored.apply(_raises, axis=1).tolist()
+    assert 0 < flagged.sum() < len(scored) and scored.loc[flagged, "reward"].isna().all()
+    assert scored.loc[flagged, "reward_error"].str.startswith("ValueError: cannot parse ").all()
+    # ... and are left out of the advantages and the update, which trains on the rest
+    ok = scored[~flagged]
+    adv = store.read_partition(str(out / "tables" / "advantages"), "custom", 0)
+    assert sorted(adv["rollout_id"]) == sorted(ok["rollout_id"]) and adv["advantage"].notna().all()
+    metrics = store.read_partition(str(out / "tables" / "iteration_metrics"), "custom", 0)
+    m = dict(zip(metrics["metric"], metrics["value"], strict=True))
+    assert m["actor/num_rollouts"] == len(ok) and m["reward/flagged"] == flagged.sum()
+    assert m["critic/score/mean"] == pytest.approx(ok["reward"].mean())  # over the rows trained on
     # the extra keys are columns; extra_info travelled prompts -> prompt_batches -> rollouts -> the function
-    assert scored["format_ok"].dtype == bool
-    assert scored["index"].tolist() == [json.loads(e)["index"] for e in scored["extra_info"]]
-    assert (scored["score"] == scored["reward"]).all()
+    assert set(map(type, ok["format_ok"])) == {bool} and scored.loc[flagged, "format_ok"].isna().all()
+    assert ok["index"].tolist() == [json.loads(e)["index"] for e in ok["extra_info"]]
+    assert (ok["score"] == ok["reward"]).all()
     (commit,) = store.commit_lineage(uri, run_id="custom", iteration=0)
     assert commit["reward_versions"] == [version]
     by_format = query(
         out / "tables",
         "SELECT format_ok, reward_version, count(*) AS n, max(reward) AS best FROM scored_rollouts "
-        "WHERE run_id = 'custom' GROUP BY format_ok, reward_version ORDER BY format_ok",
+        "WHERE run_id = 'custom' AND reward_error IS NULL GROUP BY format_ok, reward_version ORDER BY format_ok",
     )
-    assert by_format["n"].sum() == 32 and set(by_format["reward_version"]) == {version}
-    assert (by_format.loc[~by_format["format_ok"], "best"] == 0.0).all()  # no '#### N': score 0
+    assert by_format["n"].sum() == len(ok) and set(by_format["reward_version"]) == {version}
+    assert (by_format.loc[~by_format["format_ok"].astype(bool), "best"] == 0.0).all()  # no '#### N': score 0

@@ -141,6 +141,9 @@ def _dp_rank(rank: int, port: int, out: str) -> None:
         for role, mode, loss_mode in CASES:
             rows = torch.arange(rank * N // 2, (rank + 1) * N // 2)  # contiguous halves, as shard_for_rank
             results[(role, mode, loss_mode)] = run(role, cfg_of(role, mode, loss_mode), rows, 2, dp=2)
+            # unequal shares (a batch that lost flagged rollouts: shard_for_rank gives 3 and 5 rows)
+            rows = torch.arange(0, 3) if rank == 0 else torch.arange(3, N)
+            results[("unequal", role, mode, loss_mode)] = run(role, cfg_of(role, mode, loss_mode), rows, 1, dp=2)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -159,4 +162,8 @@ def test_loss_and_gradient_are_the_same_on_two_data_parallel_ranks(tmp_path) -> 
         ref_metrics, ref_grad = run(role, cfg_of(role, mode, loss_mode), torch.arange(N), 1)
         for key in LOSS_KEYS[role]:
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-12, abs=1e-14), (role, mode, key)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
+        metrics, grad = got[("unequal", role, mode, loss_mode)]  # ranks holding 3 and 5 rows of the mini-batch
+        for key in LOSS_KEYS[role]:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-12, abs=1e-14), ("unequal", role, key)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)

@@ -15,6 +15,7 @@ from stages.models.policy import encode_chat, load_policy
 from stages.rollout import generate_rollouts
 from stages.train.actor import ppo_update
 from stages.train.optim import make_optimizer
+from stages.train.ppo_loop import global_minibatch_count, minibatches
 from stages.update import run_update
 from stages.workers.actor_worker import METRICS_FILE, shard_for_rank
 from stages.workers.requests import UpdateRequest
@@ -27,6 +28,22 @@ pytestmark = pytest.mark.ray
 
 def test_shard_for_rank_splits_every_mini_batch() -> None:
     assert shard_for_rank(8, 4, 0, 2) == [0, 1, 4, 5] and shard_for_rank(8, 4, 1, 2) == [2, 3, 6, 7]
+
+
+def test_a_batch_short_of_whole_mini_batches_keeps_its_steps_on_every_rank() -> None:
+    """31 of 32 rollouts left (one flagged by the reward stage, reward.on_error=flag): every row on exactly one
+    rank (the read used to index past the table: IndexError), the same 2 optimizer steps per epoch as 32 rows,
+    and a whole batch cut exactly as before (mini-batches of per_worker_mini rows, in permutation order)."""
+    shards = [shard_for_rank(31, 16, rank, 2) for rank in range(2)]
+    assert [len(s) for s in shards] == [15, 16] and sorted(shards[0] + shards[1]) == list(range(31))
+    assert shard_for_rank(31, 16, 0, 1) == list(range(31))
+    sizes = [len(m) for m in minibatches(31, 16, 2, torch.Generator().manual_seed(0))]
+    assert sizes == [16, 15, 16, 15] and global_minibatch_count(31, 16) == (31, 2)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    cut = list(minibatches(32, 16, 1, torch.Generator().manual_seed(0)))
+    assert [m.tolist() for m in cut] == [order[:16].tolist(), order[16:].tolist()]
+    # ranks with 15 and 16 rows of 31 both take ceil(31 / 16) = 2 steps
+    assert [len(list(minibatches(len(s), 8, 1, torch.Generator(), steps=2))) for s in shards] == [2, 2]
 
 
 def test_rollouts_on_rollout_workers(ray_session, tiny_checkpoint) -> None:

@@ -205,7 +205,8 @@ def megatron_ppo_update(
         raise ValueError(
             f"{n} rollouts per DP rank must split into mini-batches of {per_worker_mini} and those "
             f"into micro-batches of {micro_batch_size} (the pipeline needs equal micro-batches); "
-            "set actor.megatron.micro_batch_size to a divisor."
+            "set actor.megatron.micro_batch_size to a divisor. A batch that lost rollouts (reward.on_error='flag' "
+            "drops the flagged ones) cannot split so: use actor.strategy='torch' or 'fsdp' with on_error='flag'."
         )
     metrics = MetricAccumulator()  # rollout correction: on the last stage's old log-probs (its metrics are kept)
     metrics.add_all(apply_rollout_correction(batch, rollout_correction, dp_size=dp, group=ps.get_data_parallel_group()))
