@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from configs.errors import load_run_config
 from configs.schema import load_config
-from pipelines.logs import quiet_env, route_framework_logs
+from pipelines.logs import quiet_env, report_failure, route_framework_logs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -43,10 +43,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(cfg.trainer.output_dir).resolve()
     log_file = route_framework_logs(out / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log", verbose=args.verbose)
-    with RunProgress().verbose_steps(args.verbose) as progress:
-        progress.line(f"framework logs (Ray, Dagster, MLflow, warnings): {log_file}")
-        progress.phase("config", args.config)
-        run_training(cfg, run_id=args.run_id, steps=args.steps, progress=progress)
+    try:
+        with RunProgress().verbose_steps(args.verbose) as progress:
+            progress.line(f"framework logs (Ray, Dagster, MLflow, warnings): {log_file}")
+            progress.phase("config", args.config)
+            run_training(cfg, run_id=args.run_id, steps=args.steps, progress=progress)
+    except Exception as exc:  # one error line here, the traceback in the log file
+        if os.environ.get("RLAKE_DEBUG"):
+            raise
+        return report_failure("train", exc, log_file)
     return 0
 
 

@@ -4,12 +4,21 @@ Ray, MLflow (and its alembic migrations), Dagster, transformers and Python warni
 log INFO lines or banners of their own. `rlake train` sends every one of them to
 `<output_dir>/logs/<name>.log`; `--verbose` also echoes them to stderr. Dagster's telemetry banner
 is switched off in the instance's dagster.yaml instead (pipelines/runner.py), where Dagster reads it.
+
+A run that fails prints one error line (`report_failure`): the error that the user acts on, taken out of
+the Dagster step error and Ray task error around it (a reward function's names the rollout, its own
+file:line and exception: stages.reward.RewardFunctionError), without Ray's colour codes; the full
+traceback goes to the log file. Dagster's console logger stays quiet (pipelines/runner.py QUIET): its step
+failure events, 100+ lines each, are in the Dagster UI's run page.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -83,3 +92,46 @@ def route_framework_logs(log_file: Path, *, verbose: bool = False) -> Path:
     logging.captureWarnings(True)
     warnings.simplefilter("default")  # each distinct warning once, into py.warnings -> the file
     return log_file
+
+
+MESSAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+"""rlake's what / why / fix errors (bad input, a failed reward function): shown as their message, exit status 2."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_WRAPPER_MODULES = ("ray.", "dagster.", "dagster_")
+
+
+def root_error(exc: BaseException) -> BaseException:
+    """The error the user acts on: `exc` without the wrappers the frameworks put around it (a Ray task's
+    RayTaskError -> the task's own exception, its `cause`; a Dagster step or user-code error -> the user code's)."""
+    seen: set[int] = set()
+    while id(exc) not in seen and type(exc).__module__.startswith(_WRAPPER_MODULES):
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError
+        if not isinstance(inner, BaseException):
+            inner = getattr(exc, "user_exception", None) or exc.__cause__  # dagster's wrappers
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc
+
+
+def failure_message(exc: BaseException) -> str:
+    """What failed, for the error line: an rlake error's own message, else `Type: message (at file:line)` of
+    the innermost frame; colour codes removed."""
+    root = root_error(exc)
+    text = _ANSI.sub("", str(root)).strip()
+    if isinstance(root, MESSAGE_ERRORS):
+        return text
+    frames = traceback.extract_tb(root.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(root).__name__}: {text}{where}"
+
+
+def report_failure(command: str, exc: BaseException, log_file: Path | None) -> int:
+    """Log `exc` with its full traceback to the log file (logger `rlake`), print `rlake <command>: error: ...`
+    and where the traceback is to stderr; returns the exit status (2: an rlake error, 1: anything else)."""
+    logging.getLogger("rlake").error("rlake %s failed", command, exc_info=exc)
+    print(f"rlake {command}: error: {failure_message(exc)}", file=sys.stderr)
+    if log_file is not None:
+        print(f"  (full traceback: {log_file})", file=sys.stderr)
+    return 2 if isinstance(root_error(exc), MESSAGE_ERRORS) else 1

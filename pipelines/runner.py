@@ -41,7 +41,9 @@ from stages.run.lease import RunLease
 from stages.run.preflight import preflight
 from stages.run.resume import ResumePlan, plan_resume
 
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+"""Dagster's console logger prints nothing: a failed step is one line from `rlake train` (pipelines/logs.py
+report_failure), its traceback in the log file, its events in the Dagster UI."""
 DRIVER_HOST_TAG = "rlake/driver_host"
 DRIVER_PID_TAG = "rlake/driver_pid"
 DRIVER_STARTED_TAG = "rlake/driver_started"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 
 from configs.schema import RewardConfig
 from stages.algos.dapo import overlong_reward_penalty
+from stages.data import custom_reward as custom_reward_module
 from stages.data.custom_reward import (
     BatchShapeError,
     CustomReward,
@@ -50,6 +52,24 @@ from stages.workers.tasks import map_with_tasks
 
 _OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names)
 """Names an extra key may not take: rlake's own scored_rollouts columns."""
+_PLUMBING = (__file__, custom_reward_module.__file__)
+"""rlake's own frames between the stage and a scorer: never the frame a reward error names."""
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed on one rollout under reward.on_error='raise': one line naming the function, the
+    rollout (rollout_id, prompt_id, data_source), the scorer's own frame (file:line) and its exception, with the
+    fix. A plain ValueError subclass with its message as its only argument, so it pickles through Ray intact."""
+
+
+def scorer_frame(exc: BaseException) -> str:
+    """`file:line` of the innermost frame of `exc` outside rlake's reward plumbing and installed libraries
+    (the reward function's own code), else of the innermost frame; '' without a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if f.filename not in _PLUMBING and "-packages" not in f.filename]
+    for f in own[-1:] or frames[-1:]:
+        return f"{f.filename}:{f.lineno}"
+    return ""
 
 
 @functools.cache
@@ -132,9 +152,9 @@ class RewardStage:
                 names[i], versions[i], values[i] = name, version, value
         return names, versions, values
 
-    def _outcome(self, name: str, ds: str, rid: int, value: Any) -> tuple[float, dict[str, Any], str | None]:
+    def _outcome(self, name: str, row: tuple, value: Any) -> tuple[float, dict[str, Any], str | None]:
         """(score, extra keys, reward_error) of one rollout from its scorer's return value or exception, under
-        on_error; a timeout is (0.0, {}, its message)."""
+        on_error; a timeout is (0.0, {}, its message). row: (data_source, rollout_id, prompt_id or None)."""
         try:
             if isinstance(value, BaseException):
                 raise value
@@ -143,11 +163,25 @@ class RewardStage:
             return 0.0, {}, f"RewardTimeout: {exc}"
         except Exception as exc:  # user reward code; reported with the row
             if self.on_error == "raise":
-                raise ValueError(
-                    f"reward function {name} for data_source '{ds}' failed on rollout {rid}: {exc}. "
-                    "Fix the function or set reward.on_error='flag'."
-                ) from exc
+                raise self._error(name, row, value, exc) from exc
             return float("nan"), {}, f"{type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _error(name: str, row: tuple, value: Any, exc: Exception) -> RewardFunctionError:
+        """The one-line error of a rollout that failed under on_error='raise': the function's own exception
+        (at its frame) or what was wrong with its return value."""
+        ds, rid, pid = row
+        which = f"rollout {rid} (" + ("" if pid is None else f"prompt_id {pid}, ") + f"data_source '{ds}')"
+        text = " ".join(str(exc).split())[:300]  # one line, whatever the function put in its message
+        if value is exc and not isinstance(exc, BatchShapeError):  # the function itself raised
+            where = scorer_frame(exc)
+            what = f"raised {'at ' + where + ': ' if where else ''}{type(exc).__name__}: {text}"
+        else:  # it returned something that is not a score
+            what = text
+        return RewardFunctionError(
+            f"reward function {name} failed on {which}: {what}. Fix the function (a response it cannot score "
+            "should score 0.0), or set reward.on_error=flag to train on the other rollouts."
+        )
 
     def _penalty(self, batch: pd.DataFrame) -> list[float]:
         """Each row's overlong penalty (0.0 without reward.overlong_buffer)."""
@@ -161,10 +195,9 @@ class RewardStage:
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         names, versions, values = self._returns(batch)
-        outcomes = [
-            self._outcome(name, ds, rid, value)
-            for name, ds, rid, value in zip(names, batch["data_source"], batch["rollout_id"], values, strict=True)
-        ]
+        pids = batch["prompt_id"].tolist() if "prompt_id" in batch.columns else [None] * len(batch)
+        rows = zip(batch["data_source"], batch["rollout_id"], pids, strict=True)
+        outcomes = [self._outcome(name, row, value) for name, row, value in zip(names, rows, values, strict=True)]
         scores = [o[0] for o in outcomes]
         extras = [o[1] for o in outcomes]
         keys = sorted(set().union(*extras))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -362,11 +363,11 @@ def test_reward_that_raises_stops_the_run_naming_the_rollout(broken_reward) -> N
 
     with pytest.raises(
         ValueError,
-        match=r"reward function \S*\.broken for data_source 'test/broken' failed on rollout 1: "
-        r"parser crashed\. Fix the function or set reward.on_error='flag'",
+        match=r"^reward function \S*\.broken failed on rollout 1 \(data_source 'test/broken'\): raised at "
+        rf"{re.escape(__file__)}:\d+: RuntimeError: parser crashed\. Fix the function .* set reward.on_error=flag ",
     ):
         score_rollouts(_rollouts(["ok", "boom"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)
-    with pytest.raises(ValueError, match=r"failed on rollout 1: returned non-finite nan"):
+    with pytest.raises(ValueError, match=r"failed on rollout 1 \(data_source 'test/broken'\): returned non-finite nan"):
         score_rollouts(_rollouts(["ok", "nan"], broken_reward), RewardConfig(on_error="raise"), use_ray=False)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import pytest
 
@@ -27,6 +28,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     correct = bool(found) and found[-1] == ground_truth
     return {"score": 1.0 if correct else 0.1 * bool(found), "format_ok": bool(found), "index": extra_info["index"]}
 """
+
+
+RAISE_LINE = (
+    REWARD.splitlines().index('        raise ValueError(f"cannot parse {solution_str!r}")  # some rows of some groups')
+    + 1
+)
 
 
 def _raises(row) -> bool:
@@ -98,3 +105,29 @@ def test_train_scores_with_a_custom_reward_function_and_trains_without_flagged_r
     )
     assert by_format["n"].sum() == len(ok) and set(by_format["reward_version"]) == {version}
     assert (by_format.loc[~by_format["format_ok"].astype(bool), "best"] == 0.0).all()  # no '#### N': score 0
+
+
+def test_a_reward_function_that_raises_stops_train_with_one_line(flagged_run, capfd) -> None:
+    """on_error=raise (the run resumed for iteration 1): one error line naming the function, the rollout, the
+    function's own file:line and its exception, no Dagster or Ray traceback on the terminal; the full traceback
+    in the log file."""
+    out, fn, _ = flagged_run
+    capfd.readouterr()
+    rc = _train(
+        out, fn, "trainer.total_training_steps=2", "reward.on_error=raise", "trainer.resume_allow_config_change=true"
+    )
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    (line,) = [ln for ln in err.splitlines() if "error" in ln.lower()]
+    assert re.fullmatch(
+        r"rlake train: error: reward function format_reward\.compute_score failed on rollout \d+ \(prompt_id \d+, "
+        rf"data_source 'rlake/arith'\): raised at {re.escape(str(fn))}:{RAISE_LINE}: ValueError: cannot parse .*\. "
+        r"Fix the function \(a response it cannot score should score 0\.0\), or set reward\.on_error=flag to "
+        r"train on the other rollouts\.",
+        line,
+    ), err
+    assert "\x1b[" not in err and "Traceback" not in err and "Stack Trace" not in err and len(err.splitlines()) <= 4, (
+        err
+    )
+    log = max((out / "logs").glob("train-*.log"), key=lambda p: p.stat().st_mtime).read_text()
+    assert "rlake train failed" in log and f'File "{fn}", line {RAISE_LINE}, in compute_score' in log

@@ -239,7 +239,9 @@ def test_bad_returns_name_the_row_or_are_flagged(tmp_path) -> None:
         "        raise RuntimeError('judge unreachable')\n"
         "    return {'score': 1.0, 'note': 'fine'}\n",
     )
-    with pytest.raises(ValueError, match=r"flaky.compute_score .* failed on rollout 1: returned str 'oops'"):
+    with pytest.raises(
+        ValueError, match=r"flaky.compute_score failed on rollout 1 \(data_source 'my/own_task'\): returned str 'oops'"
+    ):
         score_rollouts(_rollouts(4), _cfg(path), use_ray=False)
     out = score_rollouts(_rollouts(4), _cfg(path).model_copy(update={"on_error": "flag"}), use_ray=False)
     assert out["reward"].iloc[0] == 1.0 and out["reward"].iloc[1:].isna().all()

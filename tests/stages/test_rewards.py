@@ -229,7 +229,7 @@ def test_raising_reward_fn_names_the_row_or_is_flagged(monkeypatch) -> None:
 
     monkeypatch.setitem(REWARD_FNS, "test/broken", broken)
     df = _rollouts(["ok", "boom", "nan"], ["test/broken"] * 3)
-    with pytest.raises(ValueError, match="failed on rollout 1: parser crashed"):
+    with pytest.raises(ValueError, match=r"failed on rollout 1 \(data_source 'test/broken'\): raised at \S+:\d+: Runt"):
         RewardStage(on_error="raise")(df)
     out = RewardStage(on_error="flag")(df)
     assert out["reward"].iloc[0] == 1.0 and math.isnan(out["reward"].iloc[1]) and math.isnan(out["reward"].iloc[2])
