@@ -33,10 +33,20 @@ def _quiet_env() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def _check_reward_file(cfg) -> None:
+    """A broken reward.custom_reward_function file (missing, import error, no such function, wrong signature)
+    fails here, in about a second: before torch, Ray and Dagster are imported (preflight checks the rest)."""
+    quiet_env()  # the reward file runs now: libraries it imports read these once
+    from stages.data.custom_reward import check_custom_reward  # noqa: PLC0415 - CLI start-up, standard library only
+
+    check_custom_reward(cfg.reward.custom_reward_function)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Framework logs go to <output_dir>/logs/train-<time>.log (--verbose: also stderr); a live display shows
     progress. The config is parsed here, once, and passed on as a RunConfig."""
     cfg = load_run_config(args.config, args.override)  # a bad config fails here, before any heavy import
+    _check_reward_file(cfg)
     _quiet_env()
     from pipelines.progress import RunProgress  # noqa: PLC0415 - CLI start-up
     from pipelines.runner import run_training  # noqa: PLC0415 - CLI start-up
@@ -127,6 +137,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_rescore(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, [*args.override, f"trainer.run_id={args.run_id}"])
+    _check_reward_file(cfg)
     _quiet_env()
     from pipelines.rescore import rescore  # noqa: PLC0415 - CLI start-up
     from stages.run.preflight import preflight  # noqa: PLC0415 - CLI start-up

@@ -38,9 +38,9 @@ from stages.data.custom_reward import (
     CustomReward,
     call_reward_fn,
     check_extra_keys,
-    check_signature,
     explain_error,
     extra_column,
+    load_custom_reward,
     parse_extra_info,
     read_custom_reward,
     split_result,
@@ -255,23 +255,6 @@ def typed_extras(scored: pd.DataFrame) -> pd.DataFrame:
     if not keys:
         return scored
     return scored.assign(**{k: extra_column(k, scored[k].tolist()) for k in keys})
-
-
-def load_custom_reward(reward: CustomReward) -> Callable[..., Any]:
-    """The function of `reward` loaded as a Ray task will (exec'd source, named function, signature checked);
-    a file that fails to import is a ValueError naming its line."""
-    try:
-        fn = reward.function()
-    except ValueError:
-        raise
-    except Exception as exc:  # the user's file: SyntaxError, ImportError, NameError at import time, ...
-        raise ValueError(
-            f"reward.custom_reward_function.path '{reward.path}' fails to import: {explain_error(reward, exc)}\n"
-            "rlake runs the file as a module in every process that scores rewards, so it must import cleanly; "
-            f"fix the file (`python {reward.path}` shows the same error)."
-        ) from None
-    check_signature(fn, reward)
-    return fn
 
 
 def probe_custom_reward(reward: CustomReward, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:

@@ -10,6 +10,8 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -177,6 +179,49 @@ def test_bad_custom_reward_function(tmp_path, capsys, case: str) -> None:
         path.write_text(source)
     err = _fails_early(tmp_path, capsys, f"reward.custom_reward_function.path={path}", *overrides, match=match)
     assert str(path) in err
+
+
+FAST_CHECK = """
+import contextlib, io, json, sys, time
+from pipelines.cli import main
+
+out = []
+for path, extra in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        rc = main(["train", "--config", sys.argv[2], f"trainer.output_dir={sys.argv[3]}",
+                   f"reward.custom_reward_function.path={path}", *extra])
+    out.append({"rc": rc, "err": err.getvalue(), "s": time.perf_counter() - t0})
+heavy = [m for m in ("torch", "ray", "dagster", "mlflow", "transformers", "pandas") if m in sys.modules]
+print(json.dumps({"cases": out, "imported": heavy}))
+"""
+FAST_CASES = ("missing_file", "syntax_error", "missing_name", "wrong_signature")
+
+
+def test_a_broken_reward_file_fails_in_a_second_before_torch_ray_or_dagster(tmp_path) -> None:
+    """The four ways a new user's reward file is broken are reported (what / why / fix) before `rlake train`
+    imports torch, Ray, Dagster or MLflow: about a second instead of the 7 s those imports take on 2 idle cores.
+    A fresh process, so "imported" means imported by rlake train itself."""
+    cases = []
+    for case in FAST_CASES:
+        source, overrides, _ = BAD_REWARDS[case]
+        path = tmp_path / case / "my_reward.py"
+        if source is not None:
+            path.parent.mkdir()
+            path.write_text(source)
+        cases.append((str(path), overrides))
+    args = [json.dumps(cases), CI, str(tmp_path / "out")]
+    proc = subprocess.run([sys.executable, "-c", FAST_CHECK, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["imported"] == [], f"imported before the reward file was checked: {got['imported']}"
+    for case, (path, _), result in zip(FAST_CASES, cases, got["cases"], strict=True):
+        assert result["rc"] == 2 and path in result["err"], (case, result)
+        for pattern in BAD_REWARDS[case][2]:
+            assert pattern in result["err"], (case, pattern, result["err"])
+        assert result["s"] < 5, f"{case} took {result['s']:.1f}s to report"
+    assert not (tmp_path / "out").exists()  # nothing written: no log file, no tables
 
 
 def test_custom_reward_scores_any_data_source(tmp_path) -> None:

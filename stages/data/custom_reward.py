@@ -158,6 +158,34 @@ def explain_error(reward: CustomReward, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {exc}{line}"
 
 
+def load_custom_reward(reward: CustomReward) -> Callable[..., Any]:
+    """The function of `reward` loaded as a Ray task will (exec'd source, named function, signature checked);
+    a file that fails to import is a ValueError naming its line."""
+    try:
+        fn = reward.function()
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's file: SyntaxError, ImportError, NameError at import time, ...
+        raise ValueError(
+            f"reward.custom_reward_function.path '{reward.path}' fails to import: {explain_error(reward, exc)}\n"
+            "rlake runs the file as a module in every process that scores rewards, so it must import cleanly; "
+            f"fix the file (`python {reward.path}` shows the same error)."
+        ) from None
+    check_signature(fn, reward)
+    return fn
+
+
+def check_custom_reward(cfg) -> CustomReward | None:
+    """Read and load the configured reward file (cfg: a CustomRewardFunctionConfig) as the workers will: a
+    missing file, an import error, a missing function or a wrong signature is a what / why / fix error.
+    Needs nothing but the standard library, so `rlake train` runs it before importing torch, Ray or Dagster:
+    a broken reward file fails in about a second. (Preflight then calls the function once: probe_custom_reward.)"""
+    reward = read_custom_reward(cfg)
+    if reward is not None:
+        load_custom_reward(reward)
+    return reward
+
+
 def _accepts(sig: inspect.Signature) -> tuple[set[str], bool]:
     """(names a keyword call can pass, whether **kwargs takes any other)."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
