@@ -286,6 +286,11 @@ def _add_run_commands(sub) -> None:
     )
     r.add_argument("override", nargs="*", help="key.sub=value config overrides the run was trained with")
     r.set_defaults(fn=cmd_replay)
+    _add_export_config_commands(sub)
+
+
+def _add_export_config_commands(sub) -> None:
+    """export, config: write a model directory or the resolved config."""
     ex = sub.add_parser("export", help="write a plain HF model directory from a policy checkpoint")
     ex.add_argument("--checkpoint", default=None, help="a policy_v<N> checkpoint directory")
     ex.add_argument(

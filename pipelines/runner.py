@@ -91,11 +91,7 @@ def run_training(
     Ctrl-C, so no run stays RUNNING in the MLflow UI. On a Ray cluster the run's workers go when this
     call ends, however it ends."""
     progress = progress or plain(log)
-    cfg = _resolve(config, overrides, progress)  # a bad config fails here, before any work
-    progress.phase("preflight", "data and model inputs")
-    preflight(cfg)  # bad data / model input fails here, before warm-start or Ray
-    plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
-    cfg = cfg.with_run_id(plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg, plan = _prepare(config, overrides, run_id, steps, progress)
     lease = RunLease.for_config(cfg).acquire()  # one driver per run: a second one exits 2 here (stages/run/lease.py)
     tracker = tracker_for(cfg)
     tracker.run_for(cfg.run_id, cfg)  # the MLflow run exists (RUNNING) from here: a set-up failure ends it FAILED
@@ -126,6 +122,17 @@ def run_training(
         "start_iteration": plan.start_iteration,
         "resume": plan.reason,
     }
+
+
+def _prepare(config, overrides, run_id, steps, progress: RunProgress):
+    """The resolved config with its run id and the resume plan: a bad config or bad data/model input fails
+    here, before warm start, Ray or MLflow."""
+    cfg = _resolve(config, overrides, progress)
+    progress.phase("preflight", "data and model inputs")
+    preflight(cfg)
+    plan = plan_resume(cfg, run_id or cfg.trainer.run_id, steps)
+    cfg = cfg.with_run_id(plan.run_id or f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return cfg, plan
 
 
 def _release_cluster_workers(cfg: RunConfig) -> None:

@@ -130,26 +130,12 @@ def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
         "",
         f"Gain from policy v{int(first)} to v{int(last)}: sampled {gain['sampled']:+.3f}, greedy {gain['greedy']:+.3f}",
     ]
-    train = wide["critic/score/mean"].dropna() if "critic/score/mean" in wide else None
     result = {
         "run_id": run_id,
         "validation": {int(v): {"sampled": float(r[sampled]), "greedy": float(r[greedy])} for v, r in val.iterrows()},
         "gain": gain,
     }
-    if train is not None and len(train):
-        it = [int(v) - 1 for v in train.index]  # metrics of iteration i are logged at policy version i+1
-        ent = wide["actor/entropy"].dropna() if "actor/entropy" in wide else None
-        lines += [
-            "",
-            f"Training reward `critic/score/mean` by iteration ({it[0]}..{it[-1]}): "
-            + " ".join(f"{x:.2f}" for x in train.to_numpy()),
-        ]
-        if ent is not None and len(ent):
-            lines += [f"Policy entropy (nats/token): {ent.iloc[0]:.3f} -> {ent.iloc[-1]:.3f}"]
-        result |= {
-            "train_reward": [float(x) for x in train],
-            "entropy": [float(x) for x in ent] if ent is not None else [],
-        }
+    _training_lines(wide, lines, result)
     if timings:
         its = timings["iteration_s"]
         lines += [
@@ -166,6 +152,23 @@ def build_table(wide, timings: dict | None, run_id: str) -> tuple[str, dict]:
     ]
     result["environment"] = env
     return "\n".join(lines), result
+
+
+def _training_lines(wide, lines: list[str], result: dict) -> None:
+    """Append the training reward and entropy curves (when logged) to the table's lines and the result."""
+    train = wide["critic/score/mean"].dropna() if "critic/score/mean" in wide else None
+    if train is None or not len(train):
+        return
+    it = [int(v) - 1 for v in train.index]  # metrics of iteration i are logged at policy version i+1
+    ent = wide["actor/entropy"].dropna() if "actor/entropy" in wide else None
+    lines += [
+        "",
+        f"Training reward `critic/score/mean` by iteration ({it[0]}..{it[-1]}): "
+        + " ".join(f"{x:.2f}" for x in train.to_numpy()),
+    ]
+    if ent is not None and len(ent):
+        lines += [f"Policy entropy (nats/token): {ent.iloc[0]:.3f} -> {ent.iloc[-1]:.3f}"]
+    result |= {"train_reward": [float(x) for x in train], "entropy": [float(x) for x in ent] if ent is not None else []}
 
 
 def environment() -> dict:
