@@ -1,4 +1,4 @@
-"""The `rlake` command line: train, ui, lineage, sql, replay, rescore, compare, export, plot, config, gc.
+"""The `rlake` command line: train, ui, lineage, sql, replay, rescore, compare, export, plot, config, gc, maintain.
 
 Commands import what they need when they run (`# noqa: PLC0415 - CLI start-up`): `rlake --help` and a
 config error stay fast, and the quiet-logging environment (pipelines/logs.py) is set before torch,
@@ -243,6 +243,51 @@ def _add_gc_command(sub) -> None:
     g.set_defaults(fn=cmd_gc)
 
 
+def cmd_maintain(args: argparse.Namespace) -> int:
+    """Compact, checkpoint and vacuum the run's Delta tables (stages/io/maintenance.py), one line per table."""
+    from stages.io.maintenance import maintain_tables  # noqa: PLC0415 - CLI start-up
+
+    reports = maintain_tables(
+        _tables_root(args),
+        tables=args.table or None,
+        compact=not args.no_compact,
+        checkpoint=not args.no_checkpoint,
+        vacuum_retention_hours=None if args.no_vacuum else args.vacuum_hours,
+        keep_lineage=not args.no_keep_lineage,
+        enforce_retention_duration=not args.allow_short_retention,
+        partition_filters=[("run_id", "=", args.run_id)] if args.run_id else None,
+        dry_run=args.dry_run,
+    )
+    for report in reports:
+        print(("(dry run) " if args.dry_run else "") + report.line())
+    return 0
+
+
+def _add_maintain_command(sub) -> None:
+    m = sub.add_parser(
+        "maintain",
+        help="compact small files, write Delta checkpoints and vacuum a run's tables (docs/lake.md Maintenance)",
+        description="Run it while no run writes the tables. VACUUM keeps the files of every version the lineage "
+        "records (replay, rescore, resume read them) unless --no-keep-lineage.",
+    )
+    m.add_argument("--config", default=DEFAULT_CONFIG, help="locates the tables: <storage.root>/tables")
+    m.add_argument("--table", action="append", default=[], help="only this table (repeatable; default: all)")
+    m.add_argument("--run-id", default=None, help="only compact this run's partitions")
+    m.add_argument("--vacuum-hours", type=int, default=168, help="VACUUM retention in hours (default 168 = 7 days)")
+    m.add_argument("--no-compact", action="store_true")
+    m.add_argument("--no-checkpoint", action="store_true")
+    m.add_argument("--no-vacuum", action="store_true")
+    m.add_argument(
+        "--no-keep-lineage",
+        action="store_true",
+        help="also vacuum files of versions the lineage records: time travel, replay and rescore to them then fail",
+    )
+    m.add_argument("--allow-short-retention", action="store_true", help="allow --vacuum-hours under 168")
+    m.add_argument("--dry-run", action="store_true", help="report files and what VACUUM would delete; change nothing")
+    _add_table_overrides(m)
+    m.set_defaults(fn=cmd_maintain)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlake", description="RL post-training of LLMs as a data pipeline.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -250,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rescore_command(sub)
     _add_inspect_commands(sub)
     _add_gc_command(sub)
+    _add_maintain_command(sub)
     return p
 
 

@@ -19,6 +19,7 @@ import dagster as dg
 from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, training
 from configs.schema import RunConfig, load_config
 from pipelines.jobs import iteration_job, setup_job
+from pipelines.maintenance import lake_maintenance, lake_maintenance_schedule
 from pipelines.resources import build_resources, launch_defaults
 from pipelines.sensors import make_next_iteration_sensor
 from stages.dag import ITERATION, SETUP
@@ -51,11 +52,12 @@ ASSETS = _assets_in_dag_order()
 def build_definitions(
     cfg: RunConfig | None = None, *, config_path: str = "", overrides: list[str] | tuple[str, ...] = ()
 ) -> dg.Definitions:
-    """Assets, the set-up and iteration jobs, the chaining sensor and the resources; the run_config resource's
-    launch-time default is `cfg` (resolved), else `config_path` + `overrides`."""
+    """Assets, the set-up, iteration and lake_maintenance jobs (its schedule stopped), the chaining sensor and the
+    resources; the run_config resource's launch-time default is `cfg` (resolved), else `config_path` + `overrides`."""
     return dg.Definitions(
         assets=ASSETS,
-        jobs=[setup_job, iteration_job],
+        jobs=[setup_job, iteration_job, lake_maintenance],
+        schedules=[lake_maintenance_schedule],
         sensors=[make_next_iteration_sensor(launch_defaults(cfg, config_path, overrides), iteration_job)],
         resources=build_resources(cfg, config_path=config_path, overrides=overrides),
     )

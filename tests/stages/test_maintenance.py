@@ -1,0 +1,132 @@
+"""Table maintenance on real Delta tables under tmp_path: compaction keeps rows and time travel, VACUUM keeps the
+lineage's versions, and a vacuumed recorded version is a clear error (stages/io/maintenance.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+from pipelines.cli import main
+from stages.io import maintenance, store
+from stages.io.maintenance import VacuumedVersionError, check_version_files, maintain_tables
+
+BLOCKS = 4  # appends per partition: one small file each, as a partition written from several Ray blocks
+
+
+def _commit(uri: str, iteration: int, block: int, upstream: dict[str, int]) -> int:
+    """One small append to partition ("r", iteration) with rlake lineage metadata; returns the new version."""
+    rows = pa.table(
+        {
+            "run_id": ["r"] * 3,
+            "iteration": pa.array([iteration] * 3, pa.int64()),
+            "x": pa.array([100 * iteration + 10 * block + k for k in range(3)], pa.int64()),
+        }
+    )
+    meta = {"rlake.run_id": "r", "rlake.iteration": str(iteration), "rlake.upstream": json.dumps(upstream)}
+    write_deltalake(
+        uri, rows, mode="append", partition_by=["run_id", "iteration"], commit_properties=CommitProperties(meta)
+    )
+    return DeltaTable(uri).version()
+
+
+@pytest.fixture
+def lake(tmp_path) -> dict:
+    """Tables `rollouts` (2 partitions x BLOCKS appends) and `scored_rollouts` (one append per iteration, its
+    lineage recording the rollouts version it read); returns the root and the recorded rollouts versions."""
+    root = tmp_path / "tables"
+    recorded = {}
+    for it in (0, 1):
+        for block in range(BLOCKS):
+            recorded[it] = _commit(str(root / "rollouts"), it, block, {})
+        _commit(str(root / "scored_rollouts"), it, 0, {"rollouts": recorded[it]})
+    return {"root": str(root), "rollouts": str(root / "rollouts"), "recorded": recorded}
+
+
+def _rows(uri: str, version: int | None = None, iteration: int | None = None) -> list[int]:
+    df = store.open_table(uri, version=version).to_pandas()
+    return sorted(df[df.iteration == iteration].x if iteration is not None else df.x)
+
+
+def test_compaction_keeps_rows_time_travel_and_checkpoints(lake) -> None:
+    before = {it: _rows(lake["rollouts"], v, it) for it, v in lake["recorded"].items()}
+    latest = _rows(lake["rollouts"])
+    reports = {r.table: r for r in maintain_tables(lake["root"], vacuum_retention_hours=None)}
+    rollouts = reports["rollouts"]
+    assert (rollouts.files_before, rollouts.files_after, rollouts.compacted_files) == (2 * BLOCKS, 2, 2 * BLOCKS)
+    assert rollouts.version_after == rollouts.version_before + 1 == rollouts.checkpoint_version
+    assert reports["scored_rollouts"].files_after == 2  # one file per partition: nothing to compact
+    assert _rows(lake["rollouts"]) == latest  # same rows, fewer files
+    for it, version in lake["recorded"].items():  # the recorded versions still read their own (small) files
+        assert _rows(lake["rollouts"], version, it) == before[it]
+        check_version_files(lake["rollouts"], version, run_id="r", iteration=it)
+    assert (store.uris.local_path(lake["rollouts"]) / "_delta_log" / "_last_checkpoint").exists()
+
+
+def test_lineage_versions_are_own_and_upstream_versions(lake) -> None:
+    keep = maintenance.lineage_versions(lake["root"], ["rollouts", "scored_rollouts"])
+    assert keep["rollouts"] == set(range(2 * BLOCKS))  # every rlake commit (the recorded ones among them)
+    assert set(lake["recorded"].values()) <= keep["rollouts"] and keep["scored_rollouts"] == {0, 1}
+
+
+def test_vacuum_keeps_lineage_versions_and_removes_orphans(lake) -> None:
+    orphan = store.uris.local_path(lake["rollouts"]) / "run_id=r" / "iteration=0" / "part-orphan.parquet"
+    orphan.write_bytes(b"a failed write's file")  # no commit names it
+    maintain_tables(lake["root"], checkpoint=False, vacuum_retention_hours=None)  # compact first
+    reports = maintain_tables(
+        lake["root"], tables=["rollouts"], compact=False, vacuum_retention_hours=0, enforce_retention_duration=False
+    )
+    assert reports[0].vacuumed_files == 1 and not orphan.exists()
+    for it, version in lake["recorded"].items():
+        check_version_files(lake["rollouts"], version, run_id="r", iteration=it)
+        assert len(_rows(lake["rollouts"], version, it)) == 3 * BLOCKS
+
+
+def test_vacuum_past_a_recorded_version_is_a_clear_error(lake) -> None:
+    maintain_tables(lake["root"], vacuum_retention_hours=None)
+    dry = maintain_tables(
+        lake["root"], compact=False, vacuum_retention_hours=0, keep_lineage=False, enforce_retention_duration=False,
+        dry_run=True,
+    )  # fmt: skip
+    assert dry[0].vacuumed_files == 2 * BLOCKS and dry[0].files_after == dry[0].files_before == 2
+    check_version_files(lake["rollouts"], lake["recorded"][0], run_id="r", iteration=0)  # dry run deleted nothing
+    report = maintain_tables(
+        lake["root"], tables=["rollouts"], compact=False, vacuum_retention_hours=0, keep_lineage=False,
+        enforce_retention_duration=False,
+    )[0]  # fmt: skip
+    assert (report.vacuumed_files, report.kept_versions) == (2 * BLOCKS, 0)
+    with pytest.raises(VacuumedVersionError, match=r"'rollouts' version 3 \(run 'r' iteration 0\).*VACUUM.*Fix"):
+        check_version_files(lake["rollouts"], lake["recorded"][0], run_id="r", iteration=0)
+    with pytest.raises(FileNotFoundError):  # what delta-rs says when the version is read
+        _rows(lake["rollouts"], lake["recorded"][0])
+    assert len(_rows(lake["rollouts"])) == 2 * 3 * BLOCKS  # the newest version reads the compacted files
+    check_version_files(lake["rollouts"], store.table_version(lake["rollouts"]))
+
+
+def test_rlake_maintain_cli(lake, capsys) -> None:
+    assert main(["maintain", "--tables", lake["root"], "--dry-run"]) == 0
+    assert "(dry run) rollouts: files 8 -> 8" in capsys.readouterr().out
+    assert main(["maintain", "--tables", lake["root"], "--table", "rollouts", "--vacuum-hours", "0"]) == 2
+    assert "retention" in capsys.readouterr().err.lower()  # under 7 days needs --allow-short-retention
+    args = ["maintain", "--tables", lake["root"], "--vacuum-hours", "0", "--allow-short-retention", "--run-id", "r"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "rollouts: files 8 -> 2" in out and "scored_rollouts: files 2 -> 2" in out
+    assert main(["maintain", "--tables", lake["root"], "--table", "nope"]) == 2
+    assert "no Delta tables ['nope']" in capsys.readouterr().err
+
+
+def test_lake_maintenance_job(lake) -> None:
+    from assets.resources import RolloutStoreResource
+    from pipelines.maintenance import LAKE_MAINTENANCE_JOB, lake_maintenance, lake_maintenance_schedule
+
+    result = lake_maintenance.execute_in_process(
+        run_config={"ops": {"maintain_lake": {"config": {"vacuum": False}}}},
+        resources={"rollout_store": RolloutStoreResource(root=lake["root"])},
+    )
+    assert result.success and lake_maintenance.name == LAKE_MAINTENANCE_JOB
+    reports = {r["table"]: r for r in result.output_for_node("maintain_lake")}
+    assert (reports["rollouts"]["files_before"], reports["rollouts"]["files_after"]) == (2 * BLOCKS, 2)
+    assert lake_maintenance_schedule.default_status.value == "STOPPED"  # turned on by hand only
