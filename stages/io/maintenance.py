@@ -182,7 +182,7 @@ def maintain_tables(
     root: str, storage_options: Options = None, *, tables: list[str] | None = None, **plan: Any
 ) -> list[TableReport]:
     """Maintain every Delta table under the tables root (or `tables`): `plan` holds MaintenancePlan's fields
-    (compact=True, checkpoint=True, vacuum_retention_hours=168, keep_lineage=True, ...). Run it while no run
+    (compact=True, checkpoint=True, vacuum_retention_hours=168, keep_lineage=True, ...). Run it when no run
     writes the tables: a compaction and a concurrent write of the same partition conflict, and one of them fails."""
     options = MaintenancePlan(**plan)
     hours = options.vacuum_retention_hours
@@ -190,6 +190,11 @@ def maintain_tables(
         raise ValueError(_short_retention(root, hours))  # before any table changes
     opts = uris.options_of(root, storage_options)
     found = list_tables(root, opts)
+    if not found:
+        raise FileNotFoundError(
+            f"no Delta tables under '{root}': run `rlake train` first, or point at the run's tables with --tables / "
+            "--config (storage.root, trainer.output_dir)"
+        )
     unknown = sorted(set(tables or []) - set(found))
     if unknown:
         raise ValueError(f"no Delta tables {unknown} under '{root}'; tables: {found}")

@@ -4,6 +4,7 @@ lineage's versions, and a vacuumed recorded version is a clear error (stages/io/
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -116,6 +117,8 @@ def test_rlake_maintain_cli(lake, capsys) -> None:
     assert "rollouts: files 8 -> 2" in out and "scored_rollouts: files 2 -> 2" in out
     assert main(["maintain", "--tables", lake["root"], "--table", "nope"]) == 2
     assert "no Delta tables ['nope']" in capsys.readouterr().err
+    assert main(["maintain", "--tables", str(Path(lake["root"]).parent)]) == 2
+    assert "no Delta tables under" in capsys.readouterr().err
 
 
 def test_lake_maintenance_job(lake) -> None:
