@@ -129,20 +129,17 @@ def recorded_version(
     """The Delta version of `table` that the upstream asset's latest materialization of this iteration's
     partition recorded ("delta_version" metadata), checked against the commit's own lineage (same run,
     same iteration), so materializations of another rlake run or another output_dir are skipped.
-    The asset that writes a table has the table's name (stages/dag.py)."""
-    if table not in TABLES or not store.table_exists(uri):
+    The asset that writes a table has the table's name (stages/dag.py). Reads the table's history only down to
+    the versions it checks (store.first_commit_of): the cost stays flat as the history grows."""
+    if table not in TABLES:
         return None
     partitions = [run_id if iteration == PROMPTS_ITERATION else str(partition_key(run_id, iteration))]
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(table), asset_partitions=partitions), limit=lookback
     ).records
-    commits = {c["version"]: c for c in store.commit_lineage(uri, run_id=run_id, iteration=iteration)}
-    for rec in records:  # newest first
-        meta = rec.asset_materialization.metadata if rec.asset_materialization else {}
-        version = meta.get("delta_version")
-        if version is not None and int(version.value) in commits:
-            return int(version.value)
-    return None
+    metadata = [rec.asset_materialization.metadata if rec.asset_materialization else {} for rec in records]
+    versions = [int(m["delta_version"].value) for m in metadata if m.get("delta_version") is not None]
+    return store.first_commit_of(uri, versions, run_id, iteration)  # newest record first
 
 
 def read_recorded(

@@ -189,9 +189,7 @@ class RolloutStoreResource(dg.ConfigurableResource):
         self, table: str, run_id: str, iteration: int, *, version: int | None = None, columns: list[str] | None = None
     ) -> tuple[pd.DataFrame, int]:
         """(rows, table version read); `columns`: only those."""
-        uri = self.uri(table)
-        version = store.table_version(uri) if version is None and store.table_exists(uri) else version
-        return store.read_partition(uri, run_id, iteration, version=version, columns=columns), version
+        return store.read_partition_at(self.uri(table), run_id, iteration, version=version, columns=columns)
 
 
 class ModelStoreResource(dg.ConfigurableResource):
@@ -209,6 +207,12 @@ class ModelStoreResource(dg.ConfigurableResource):
     def for_run(self, run_id: str) -> ModelStore:
         kw = {"cache_dir": self.cache_dir, "options": self.storage_options, "keep_versions": self.cache_keep_versions}
         return ModelStore(self.root, run_id, **kw)
+
+
+_MLFLOW_RUNS: dict[tuple[str, str, str], dict[str, Any]] = {}
+"""(tracking URI, experiment, rlake run id) -> the MLflow run's id, status and rlake.last_step, as this process last
+set or found them (TrackerResource.run_for; end_run forgets the run, whose status it changes). A run deleted or
+ended from outside while this process logs to it is not noticed until the process ends."""
 
 
 class TrackerResource(dg.ConfigurableResource):
@@ -247,16 +251,30 @@ class TrackerResource(dg.ConfigurableResource):
         """The MLflow run id of rlake run `run_id`, created (with params, config, git commit) on first use.
 
         With `step` (the step about to be logged): an ended run is reopened unless it already logged
-        that step, and the tag rlake.last_step keeps the highest step seen."""
-        client = self._client()
-        exp_id, found = self._find(client, run_id, create_experiment=True)
-        if found is not None:
-            last = int(found.data.tags.get("rlake.last_step", -1))
-            if found.info.status != "RUNNING" and (step is None or step > last):
-                set_status(client, found.info.run_id, "RUNNING")
-            if step is not None and step > last:
-                client.set_tag(found.info.run_id, "rlake.last_step", str(step))
-            return found.info.run_id
+        that step, and the tag rlake.last_step keeps the highest step seen. The process remembers the run (its id,
+        status and last step: _MLFLOW_RUNS) after one search, so later iterations do not search again: MLflow's
+        search returns a run with all of its dataset inputs, which grow by one iteration's tables each iteration."""
+        client, key = self._client(), (self.tracking_uri, self.experiment_name, run_id)
+        known = _MLFLOW_RUNS.get(key)
+        if known is None:
+            exp_id, found = self._find(client, run_id, create_experiment=True)
+            if found is None:
+                known = {"id": self._create(client, exp_id, run_id, cfg, step), "status": "RUNNING"}
+                known["last_step"] = -1 if step is None else step
+            else:
+                known = {"id": found.info.run_id, "status": found.info.status}
+                known["last_step"] = int(found.data.tags.get("rlake.last_step", -1))
+            _MLFLOW_RUNS[key] = known
+        if known["status"] != "RUNNING" and (step is None or step > known["last_step"]):
+            set_status(client, known["id"], "RUNNING")
+            known["status"] = "RUNNING"
+        if step is not None and step > known["last_step"]:
+            client.set_tag(known["id"], "rlake.last_step", str(step))
+            known["last_step"] = step
+        return known["id"]
+
+    def _create(self, client, exp_id: str, run_id: str, cfg: RunConfig | None, step: int | None) -> str:
+        """A new MLflow run for rlake run `run_id`: its tags, and with `cfg` its params, config.yaml and hash."""
         tags = {"rlake.run_id": run_id, **code_tags(), **({"rlake.last_step": str(step)} if step is not None else {})}
         run = client.create_run(exp_id, run_name=run_id, tags=tags)
         if cfg is not None:
@@ -307,6 +325,7 @@ class TrackerResource(dg.ConfigurableResource):
         if status not in END_STATUSES:
             raise ValueError(f"end_run status '{status}' is not an end status. Valid: {list(END_STATUSES)}")
         client = self._client()
+        _MLFLOW_RUNS.pop((self.tracking_uri, self.experiment_name, rlake_run_id), None)  # its status changes here
         _, found = self._find(client, rlake_run_id, create_experiment=False)
         if found is None:
             return None

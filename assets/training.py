@@ -26,7 +26,7 @@ from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.checkpoints import checkpoint_target
 from stages.io.plots import run_curves_markdown
-from stages.io.store import commit_lineage, table_exists
+from stages.io.store import newest_commit
 from stages.io.tables import PROMPTS_ITERATION
 from stages.metrics import iteration_metrics as compute_iteration_metrics
 from stages.metrics import validates
@@ -209,11 +209,11 @@ to that iteration: stages.io.plots.run_curves_markdown); every metric goes to De
 
 def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:
     """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the
-    newest lineage commit of its table for this iteration; the updates report theirs in their own metrics."""
+    newest lineage commit of its table for this iteration (read down to that commit only: store.newest_commit);
+    the updates report theirs in their own metrics."""
     out = {}
     for stage in (s for s in ITERATION if s.table and s.timing):
-        uri = rollout_store.uri(stage.name)  # ref_logprobs exists only in runs with KL
-        commits = commit_lineage(uri, run_id=run_id, iteration=it) if table_exists(uri) else []
-        if commits:
-            out[stage.timing] = float(commits[0]["duration_s"])
+        commit = newest_commit(rollout_store.uri(stage.name), run_id, it)  # ref_logprobs: only in runs with KL
+        if commit is not None:
+            out[stage.timing] = float(commit["duration_s"])
     return out

@@ -149,20 +149,20 @@ def write_partition(
             commit_properties=props,
             storage_options=opts,
         )
-    else:
-        safe_run = run_id.replace("'", "''")
-        # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
-        # instead of refusing a resumed run's writes
-        write_deltalake(
-            path,
-            data,
-            mode="overwrite",
-            predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
-            commit_properties=props,
-            schema_mode="merge",
-            storage_options=opts,
-        )
-    return DeltaTable(path, storage_options=opts).version()
+        return DeltaTable(path, storage_options=opts).version()
+    safe_run = run_id.replace("'", "''")
+    table = DeltaTable(path, storage_options=opts)  # one open: the write leaves it at the version it committed
+    # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
+    # instead of refusing a resumed run's writes
+    write_deltalake(
+        table,
+        data,
+        mode="overwrite",
+        predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
+        commit_properties=props,
+        schema_mode="merge",
+    )
+    return table.version()
 
 
 def commit_metadata(name: str, data: pa.Table, run_id: str, iteration: int, lineage: dict[str, Any]) -> dict[str, str]:
@@ -191,6 +191,21 @@ def read_partition(
     storage_options: Options = None,
 ) -> pd.DataFrame:
     """Rows of one (run_id, iteration) partition, optionally at a table version (time travel)."""
+    return read_partition_at(uri, run_id, iteration, version=version, columns=columns, storage_options=storage_options)[
+        0
+    ]
+
+
+def read_partition_at(
+    uri: str,
+    run_id: str,
+    iteration: int,
+    *,
+    version: int | None = None,
+    columns: list[str] | None = None,
+    storage_options: Options = None,
+) -> tuple[pd.DataFrame, int]:
+    """(read_partition's rows, the table version they were read at: `version`, else the newest), one table open."""
     if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     dt = open_table(uri, version=version, storage_options=storage_options)
@@ -200,28 +215,148 @@ def read_partition(
             f"table '{uri}' (version {dt.version()}) has no rows for run '{run_id}' iteration "
             f"{iteration}: materialize that partition of its asset first"
         )
-    return df
+    return df, dt.version()
 
 
 def table_version(uri: str, *, storage_options: Options = None) -> int:
     return open_table(uri, storage_options=storage_options).version()
 
 
+HISTORY_PAGE = 16
+"""Commits the first DeltaTable.history(limit) call of a History reads; each further page doubles the limit."""
+
+
+def lineage_of(entry: dict[str, Any], version: int) -> dict[str, Any] | None:
+    """The rlake lineage of one history() entry (its rlake.* metadata, decoded, plus version and timestamp);
+    None for a commit without any (written outside rlake)."""
+    meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
+    if not meta:
+        return None
+    for key in ("upstream", *COMMIT_SETS.values()):
+        if key in meta:
+            meta[key] = json.loads(meta[key])
+    return {"version": version, "timestamp": entry.get("timestamp"), **meta}
+
+
+def of_partition(commit: dict[str, Any] | None, run_id: str | None, iteration: int | None) -> bool:
+    """Whether a lineage commit wrote partition (run_id, iteration); None matches any run / iteration."""
+    return (
+        commit is not None
+        and (run_id is None or commit.get("run_id") == run_id)
+        and (iteration is None or commit.get("iteration") == str(iteration))
+    )
+
+
+class History:
+    """The rlake lineage of one table's commits, newest first, read on demand: DeltaTable.history(limit) reads
+    only the newest `limit` commit files, and each page doubles the limit, so finding a recent commit costs the
+    same however long the history is (#36); reading it all costs one history() call.
+
+    The table is opened once, at its newest version (delta-rs 1.x labels the history of a table opened at an
+    older version wrongly); commits made after that are left out, even when they land between two pages."""
+
+    def __init__(self, uri: str, *, storage_options: Options = None) -> None:
+        self.table = open_table(uri, storage_options=storage_options)
+        self.version = self.table.version()
+        self._raw: list[dict[str, Any]] = []  # history() entries read so far (without delta-rs's version)
+        self._lineage: list[dict[str, Any] | None] = []  # lineage_of each, same order
+        self._limit: int | None = HISTORY_PAGE
+        self.complete = False
+
+    def _more(self) -> bool:
+        """Read the next page (all of the rest once `_limit` is None); False when everything is read."""
+        if self.complete:
+            return False
+        raw = [{k: v for k, v in e.items() if k != "version"} for e in self.table.history(self._limit)]
+        start = next((j for j, e in enumerate(raw) if e == self._raw[0]), None) if self._raw else 0
+        if start is None:  # more commits landed since the open than the page holds: a bigger page
+            self._limit = None
+            return True
+        for entry in raw[start + len(self._raw) :]:
+            self._lineage.append(lineage_of(entry, self.version - len(self._raw)))
+            self._raw.append(entry)
+        self.complete = self._limit is None or len(raw) < self._limit or self.version < len(self._raw)
+        self._limit = None if self._limit is None else self._limit * 2
+        return True
+
+    def commits(self, *, everything: bool = False):
+        """Lineage commits newest first, reading pages as the caller goes on (`everything`: in one read)."""
+        if everything:
+            self._limit = None
+        i = 0
+        while i < len(self._lineage) or self._more():
+            if i < len(self._lineage):
+                if self._lineage[i] is not None:
+                    yield self._lineage[i]
+                i += 1
+
+    def find(
+        self,
+        run_id: str | None = None,
+        iteration: int | None = None,
+        *,
+        limit: int | None = None,
+        since_version: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Commits of (run_id, iteration) newest first: at most `limit`, none older than `since_version`."""
+        out = []
+        for commit in self.commits(everything=limit is None and since_version is None):
+            if since_version is not None and commit["version"] < since_version:
+                break
+            if of_partition(commit, run_id, iteration):
+                out.append(commit)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    def commit(self, version: int) -> dict[str, Any] | None:
+        """The lineage of the commit at `version` (None: no such commit, or not an rlake one)."""
+        for commit in self.commits() if 0 <= version <= self.version else ():
+            if commit["version"] <= version:
+                return commit if commit["version"] == version else None
+        return None
+
+    def has_partition(self, run_id: str, iteration: int) -> bool:
+        """Whether the newest version holds rows of (run_id, iteration). rlake replaces a partition and never
+        deletes one (an empty write is refused), so a partition without rows has no commit to look for."""
+        where = [("run_id", "=", run_id), ("iteration", "=", str(iteration))]
+        return bool(self.table.partitions(file_pruning_predicate=where))
+
+    def newest(self, run_id: str, iteration: int) -> dict[str, Any] | None:
+        """The newest commit of partition (run_id, iteration): the pages down to it, none when it has no rows."""
+        found = self.find(run_id, iteration, limit=1) if self.has_partition(run_id, iteration) else []
+        return found[0] if found else None
+
+
 def commit_lineage(
-    uri: str, *, run_id: str | None = None, iteration: int | None = None, storage_options: Options = None
+    uri: str,
+    *,
+    run_id: str | None = None,
+    iteration: int | None = None,
+    limit: int | None = None,
+    since_version: int | None = None,
+    storage_options: Options = None,
 ) -> list[dict[str, Any]]:
-    """The rlake lineage of every commit (newest first), optionally for one run / iteration."""
-    out = []
-    for entry in open_table(uri, storage_options=storage_options).history():
-        meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
-        if not meta:
-            continue
-        if run_id is not None and meta.get("run_id") != run_id:
-            continue
-        if iteration is not None and meta.get("iteration") != str(iteration):
-            continue
-        for key in ("upstream", *COMMIT_SETS.values()):
-            if key in meta:
-                meta[key] = json.loads(meta[key])
-        out.append({"version": entry.get("version"), "timestamp": entry.get("timestamp"), **meta})
-    return out
+    """The rlake lineage of every commit (newest first), optionally for one run / iteration. With `limit` (at
+    most that many) or `since_version` (none older), only the newest pages of the history are read (History)."""
+    history = History(uri, storage_options=storage_options)
+    return history.find(run_id, iteration, limit=limit, since_version=since_version)
+
+
+def newest_commit(uri: str, run_id: str, iteration: int, *, storage_options: Options = None) -> dict[str, Any] | None:
+    """The newest commit of partition (run_id, iteration) of the table at `uri`; None when it has none (or there
+    is no table). Reads the history only down to that commit."""
+    if not table_exists(uri, storage_options=storage_options):
+        return None
+    return History(uri, storage_options=storage_options).newest(run_id, iteration)
+
+
+def first_commit_of(
+    uri: str, versions: list[int], run_id: str, iteration: int, *, storage_options: Options = None
+) -> int | None:
+    """The first of `versions` whose commit wrote partition (run_id, iteration) of the table at `uri`; None when
+    none did (or there is no table). Reads the history only down to the versions it checks."""
+    if not versions or not table_exists(uri, storage_options=storage_options):
+        return None
+    history = History(uri, storage_options=storage_options)
+    return next((v for v in versions if of_partition(history.commit(v), run_id, iteration)), None)

@@ -27,7 +27,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag
 from stages.dag import TABLES
 from stages.io import uris
 from stages.io.plots import load_run_metrics, validation_figure
-from stages.io.store import commit_lineage, git_commit, table_exists
+from stages.io.store import History, git_commit, of_partition, table_exists
 
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 ERROR_TAG = "rlake.error"
@@ -78,32 +78,32 @@ def iteration_lineage(
     Tables reached from the iteration_metrics commit `metrics_version` (default: its newest for the
     iteration) through the commits' `upstream` versions get the version that was read; a table with
     commits for the iteration but not reached gets its newest. Each entry: table, uri, version, and
-    the commit's lineage (stage, policy_version, upstream, ...)."""
-    commits = {}
+    the commit's lineage (stage, policy_version, upstream, ...). Each table's history is read only down to the
+    commits wanted (store.History), so the cost stays flat as a run grows."""
     root = uris.with_options(tables_root, uris.options_of(tables_root, storage_options))
+    histories = {}
     for table in TABLES:
         uri = uris.join(root, table)  # a string join: s3://bucket/t stays s3://, its options carried
-        found = commit_lineage(uri, run_id=run_id, iteration=iteration) if table_exists(uri) else []
-        if found:  # newest first
-            commits[table] = {"uri": str(uri), "newest": found[0], "by_version": {c["version"]: c for c in found}}
+        if table_exists(uri):
+            histories[table] = (str(uri), History(uri))
     chosen: dict[str, dict[str, Any]] = {}
-    start = commits.get("iteration_metrics")
-    todo = (
-        [("iteration_metrics", start["newest"]["version"] if metrics_version is None else metrics_version)]
-        if start
-        else []
-    )
+    start = histories.get("iteration_metrics")
+    if start is not None and metrics_version is None:
+        metrics_version = (start[1].newest(run_id, iteration) or {}).get("version")
+    todo = [("iteration_metrics", metrics_version)] if start is not None else []
     while todo:
         table, version = todo.pop()
-        commit = commits.get(table, {}).get("by_version", {}).get(version)
-        if commit is None or table in chosen:  # another iteration's commit (e.g. prompts), or seen
+        if table not in histories or table in chosen or version is None:
             continue
-        chosen[table] = commit
-        todo += list((commit.get("upstream") or {}).items())
+        commit = histories[table][1].commit(int(version))
+        if of_partition(commit, run_id, iteration):  # not another iteration's commit (e.g. prompts)
+            chosen[table] = commit
+            todo += list((commit.get("upstream") or {}).items())
     out = []
-    for table in TABLES:
-        if table in commits:
-            out.append({"table": table, "uri": commits[table]["uri"], **chosen.get(table, commits[table]["newest"])})
+    for table, (uri, history) in histories.items():  # TABLES order
+        commit = chosen.get(table) or history.newest(run_id, iteration)
+        if commit is not None:
+            out.append({"table": table, "uri": uri, **commit})
     return out
 
 
