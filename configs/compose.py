@@ -35,6 +35,12 @@ VERL_ROOT = "actor_rollout_ref"
 VERL_SECTIONS = {"actor": "actor", "rollout": "rollout", "model": "model"}
 """verl's actor_rollout_ref.<sub> -> rlake section. verl's `ref` has no counterpart: rlake's reference
 policy is the initial policy (policy_v0) and has no settings of its own."""
+VERL_RENAMED = {
+    "model.lora_rank": "actor.lora.rank",
+    "model.lora_alpha": "actor.lora.alpha",
+    "model.target_modules": "actor.lora.target_modules",
+}
+"""verl keys (after the section mapping) whose rlake name differs: LoRA sits under actor.lora."""
 
 
 # ---- trees ---------------------------------------------------------------------------------------
@@ -227,6 +233,7 @@ def verl_alias(key: str, model: Model) -> str | None:
     if len(parts) < 3 or parts[0] != VERL_ROOT or parts[1] not in VERL_SECTIONS:
         return None
     target = ".".join([VERL_SECTIONS[parts[1]], *parts[2:]])
+    target = VERL_RENAMED.get(target, target)
     return target if target in schema_keys(model) else None
 
 

@@ -274,6 +274,23 @@ class MixedPrecisionConfig(_Strict):
     avx512_bf16/AMX): docs/benchmarks.md."""
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters on the actor (peft; stages/models/lora.py). verl: actor_rollout_ref.model.lora_rank,
+    lora_alpha, target_modules."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0 = off (full fine-tuning). With r > 0 only the adapters train and sit in the optimizer;
+    checkpoints hold the merged weights (what engines and `rlake export` read) plus the adapter and its base."""
+    alpha: float = 16.0
+    """Scale numerator: the update is B @ A * alpha / rank (verl's lora_alpha default 16)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input during the update (peft lora_dropout); 0 keeps the PPO ratio exactly 1
+    at the first micro-batch."""
+    target_modules: str | list[str] = "all-linear"
+    """Module names to adapt (peft target_modules): 'all-linear' (every linear layer but the output head, verl's
+    default) or a list such as [q_proj, v_proj]."""
+
+
 class ActorConfig(_Strict):
     strategy: Literal["torch", "fsdp", "megatron"] = "torch"
     """Optimization backend: 'torch' (DDP over gloo/NCCL), 'fsdp' (torch FSDP2 `fully_shard`, parameters and
@@ -313,6 +330,19 @@ class ActorConfig(_Strict):
     num_workers: int = 2
     """Trainer ranks: persistent Ray actors in one gloo group (data parallel, or the TP x PP x DP grid)."""
     optim: OptimConfig = OptimConfig()
+    lora: LoraConfig = LoraConfig()
+    """LoRA fine-tuning of the actor (rank 0: off); torch strategy only."""
+
+    @model_validator(mode="after")
+    def _lora_needs_torch(self) -> ActorConfig:
+        if self.lora.rank > 0 and self.strategy != "torch":
+            raise ValueError(
+                f"actor.lora.rank={self.lora.rank} is not supported with actor.strategy='{self.strategy}', because "
+                "rlake wraps the policy in peft adapters only in the torch (DDP) trainer; the FSDP2 sharding and the "
+                "Megatron HF<->GPT conversion of rlake know plain HF parameters only; use actor.strategy='torch' "
+                "with LoRA, or actor.lora.rank=0 (full fine-tuning) with fsdp/megatron."
+            )
+        return self
 
     @model_validator(mode="after")
     def _megatron_is_float32(self) -> ActorConfig:

@@ -32,9 +32,13 @@ CRITIC_GRAD_ERROR = (
 
 
 def make_optimizer(model, optim_cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over model.parameters() and a LambdaLR scheduler ramping linearly over lr_warmup_steps steps."""
+    """AdamW over the parameters that require grad (all of them, or a LoRA policy's adapters alone) and a
+    LambdaLR scheduler ramping linearly over lr_warmup_steps steps."""
     opt = torch.optim.AdamW(
-        model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim_cfg.lr,
+        betas=tuple(optim_cfg.betas),
+        weight_decay=optim_cfg.weight_decay,
     )
     warm = optim_cfg.lr_warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)

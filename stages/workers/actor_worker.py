@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from configs.schema import ActorConfig, OptimConfig
+from configs.schema import ActorConfig, LoraConfig, OptimConfig
 from stages import seeds
 from stages.io.checkpoints import (
     CHECKPOINT_ID,
@@ -58,6 +58,7 @@ from stages.io.checkpoints import (
     writing,
 )
 from stages.io.store import read_partition
+from stages.models.lora import load_lora_policy, merged_state_dict, refuse_lora_checkpoint, save_adapter, save_merged
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import pad_rollouts, row_masks, stored_old_logprobs
@@ -78,6 +79,8 @@ from stages.workers.group import Worker
 from stages.workers.placement import collective_backend
 from stages.workers.requests import UpdateRequest
 
+NO_LORA = LoraConfig()
+"""actor.lora's default: full fine-tuning."""
 METRICS_FILE = "update_metrics.json"
 """The update's metrics, kept beside the checkpoint as a record; the driver takes them from the update call's
 return value (through Ray), never from this file."""
@@ -106,12 +109,23 @@ def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
 
 
 def write_checkpoint(
-    req: UpdateRequest, model, tok, optimizer_state: dict, scheduler_state: dict, metrics: dict
+    req: UpdateRequest,
+    model,
+    tok,
+    optimizer_state: dict,
+    scheduler_state: dict,
+    metrics: dict,
+    lora: tuple[dict, dict] | None = None,
 ) -> None:
     """HF model + optimizer state + metrics + checkpoint id (+ req.extra_files) to req.out_dir: committed to the
-    run's store when it is a checkpoint_target (uploaded, manifest last), else written atomically."""
+    run's store when it is a checkpoint_target (uploaded, manifest last), else written atomically. A LoRA policy
+    (lora: its merged state dict and base record, stages.models.lora) writes the merged weights and its adapter."""
     with writing(req.out_dir, checkpoint_id=req.checkpoint_id) as tmp:
-        save_policy(model, tok, tmp)
+        if lora is None:
+            save_policy(model, tok, tmp)
+        else:
+            save_merged(model, tok, tmp, lora[0])
+            save_adapter(model, tmp, lora[1])
         save_optimizer_state(tmp, optimizer_state, scheduler_state)
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
         (tmp / CHECKPOINT_ID).write_text(req.checkpoint_id)
@@ -131,11 +145,15 @@ class ResidentPolicy:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     tokenizer: Any
+    lora: LoraConfig = NO_LORA
+    lora_base: dict | None = None
+    """A LoRA policy's base checkpoint (stages.models.lora.base_record); None: full fine-tuning."""
 
-    def holds(self, policy_dir: str, optim: OptimConfig) -> bool:
-        """Whether this is the checkpoint policy_dir names (loaded or written by this rank): same checkpoint id."""
+    def holds(self, policy_dir: str, optim: OptimConfig, lora: LoraConfig = NO_LORA) -> bool:
+        """Whether this is the checkpoint policy_dir names (loaded or written by this rank): same checkpoint id,
+        and the same optimizer and LoRA settings."""
         want = resident_id(policy_dir)
-        return want is not None and self.ckpt_id == want and self.optim == optim
+        return want is not None and self.ckpt_id == want and self.optim == optim and self.lora == lora
 
 
 def resident_id(policy_dir: str | Path) -> str | None:
@@ -146,20 +164,31 @@ def resident_id(policy_dir: str | Path) -> str | None:
 
 
 def load_resident(
-    policy_dir: str, optim: OptimConfig, device: torch.device | str = "cpu", strategy: str = "torch"
+    policy_dir: str,
+    optim: OptimConfig,
+    device: torch.device | str = "cpu",
+    strategy: str = "torch",
+    lora: LoraConfig = NO_LORA,
 ) -> ResidentPolicy:
     """The policy at policy_dir on `device` (the rank's) with a fresh optimizer holding the optimizer state
-    stored beside it; strategy 'fsdp': sharded over the ranks (a collective, stages.train.fsdp)."""
+    stored beside it; strategy 'fsdp': sharded over the ranks (a collective, stages.train.fsdp); lora.rank > 0:
+    its base checkpoint with its adapter, or fresh adapters on policy_dir (stages.models.lora)."""
     ident = resident_id(policy_dir)  # before the load: a checkpoint rewritten meanwhile is not taken for this one
+    base = None
+    if lora.rank > 0:
+        model, tok, base = load_lora_policy(policy_dir, lora)
+    else:
+        refuse_lora_checkpoint(policy_dir)
     policy_dir = str(resolve_model_dir(policy_dir))  # a checkpoint reference: this node's cached copy
-    model, tok = load_policy(policy_dir)
+    if base is None:
+        model, tok = load_policy(policy_dir)
     model.to(device)
     if strategy == "fsdp":
         model, opt, sched = shard_policy(model, optim, policy_dir)
     else:
         opt, sched = make_optimizer(model, optim)
         restore_optimizer(opt, sched, policy_dir)
-    return ResidentPolicy(str(Path(policy_dir).resolve()), ident, optim, model, opt, sched, tok)
+    return ResidentPolicy(str(Path(policy_dir).resolve()), ident, optim, model, opt, sched, tok, lora, base)
 
 
 def old_logprob_rows(
@@ -195,13 +224,15 @@ class ActorWorker(Worker):
         self.published: tuple[str, ray.ObjectRef] | None = None
         """(checkpoint id, ref of its state dict in Ray's object store): rank 0's newest policy, for the engines."""
 
-    def publish(self, req: UpdateRequest, model) -> None:
-        """rollout.weight_sync=object_store: put the new policy's weights (CPU tensors, HF names) in Ray's object
-        store once, replacing the previous version's; every rollout engine then gets them from there, on any node,
-        without a file (ActorWorker.published_weights). The committed checkpoint stays the durable copy."""
+    def publish(self, req: UpdateRequest, model, state: dict | None = None) -> None:
+        """rollout.weight_sync=object_store: put the new policy's weights (CPU tensors, HF names; `state` when
+        given: a LoRA policy's merged weights) in Ray's object store once, replacing the previous version's; every
+        rollout engine then gets them from there, on any node, without a file (ActorWorker.published_weights). The
+        committed checkpoint stays the durable copy."""
         self.published = None
         if req.weight_sync == "object_store":
-            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            state = state if state is not None else model.state_dict()
+            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
             self.published = (req.checkpoint_id, ray.put(state))
 
     def published_weights(self, checkpoint_id: str) -> list:
@@ -227,9 +258,9 @@ class ActorWorker(Worker):
             model, tok = load_policy(resolve_model_dir(policy_dir))
             model.to(self.device)
         else:
-            if self.resident is None or not self.resident.holds(policy_dir, actor.optim):
+            if self.resident is None or not self.resident.holds(policy_dir, actor.optim, actor.lora):
                 self.resident = None  # frees a stale policy before the load
-                self.resident = load_resident(policy_dir, actor.optim, self.device)
+                self.resident = load_resident(policy_dir, actor.optim, self.device, lora=actor.lora)
             model, tok = self.resident.model, self.resident.tokenizer
         return old_logprob_rows(
             model, tok.pad_token_id, rows, actor.ppo_micro_batch_size, temperature, actor.mixed_precision.param_dtype
@@ -250,12 +281,12 @@ class ActorWorker(Worker):
     def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
         torch.manual_seed(seeds.update_rank(req.seed, self.rank))
         t0 = time.perf_counter()
-        held = self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim)
+        held = self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim, req.actor.lora)
         res = self.resident if held else None
         self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
         from_disk = res is None
         if res is None:
-            res = load_resident(req.policy_dir, req.actor.optim, self.device, self.strategy)
+            res = load_resident(req.policy_dir, req.actor.optim, self.device, self.strategy, req.actor.lora)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         fsdp = self.strategy == "fsdp"
         ddp = DistributedDataParallel(res.model, device_ids=device_ids) if self.world > 1 and not fsdp else None
@@ -281,15 +312,18 @@ class ActorWorker(Worker):
         # fsdp: whole weights and optimizer state gathered to rank 0 (a collective), in the torch backend's format
         model, opt_state = gather_checkpoint(res.model, res.optimizer) if fsdp else (res.model, None)
         if self.rank == 0:
-            write_checkpoint(
-                req, model, res.tokenizer, opt_state or res.optimizer.state_dict(), res.scheduler.state_dict(), metrics
-            )
-            self.publish(req, model)
+            self._commit(req, res, model, opt_state or res.optimizer.state_dict(), metrics)
         if self.world > 1:
             dist.barrier()  # every rank sees the checkpoint before keeping its state resident
         res.ckpt_dir, res.ckpt_id = req.out_dir, req.checkpoint_id
         self.resident = res
         return metrics
+
+    def _commit(self, req: UpdateRequest, res: ResidentPolicy, model, opt_state: dict, metrics: dict) -> None:
+        """Rank 0: write the checkpoint and publish its weights (a LoRA policy's merged once, for both)."""
+        lora = None if res.lora_base is None else (merged_state_dict(model), res.lora_base)
+        write_checkpoint(req, model, res.tokenizer, opt_state, res.scheduler.state_dict(), metrics, lora)
+        self.publish(req, model, None if lora is None else lora[0])
 
 
 def _ensure_process_group(device: torch.device) -> bool:

@@ -81,6 +81,13 @@ class RayCluster:
     def _start(self, name: str, args: list[str], extra_env: dict[str, str] | None) -> RayNode:
         if shutil.which("unshare") is None:
             raise RuntimeError("`unshare` (util-linux) is missing: the cluster tests isolate each node's disk with it")
+        for path in (sys.executable, str(ROOT)):
+            if any(path == h or path.startswith(h + "/") for h in HIDDEN):
+                raise RuntimeError(
+                    f"{path} is under {HIDDEN}, which every test node hides behind a private tmpfs (its own disk), "
+                    "so the node could not see the interpreter or the code: clone and make the virtualenv elsewhere "
+                    "(e.g. /work/rlake or $HOME/rlake)"
+                )
         log = self.workdir / f"{name}.log"
         mounts = " && ".join(f"mount -t tmpfs tmpfs {p}" for p in HIDDEN)
         node_cmd = " ".join(
