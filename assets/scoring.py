@@ -6,12 +6,15 @@ import numpy as np
 from assets.common import (
     ROLLOUT,
     TRAIN,
+    UpstreamVersion,
     asset_deps,
     check_spec,
     data_version,
     iteration_of,
+    lineage,
     read_if,
     read_recorded,
+    recorded_version,
     run_iterations,
     timed,
     write_table,
@@ -19,8 +22,9 @@ from assets.common import (
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
 from stages.dag import uses_critic, uses_judge, uses_reference
+from stages.io import store
 from stages.judge import combine_judge_scores
-from stages.reward import score_rollouts
+from stages.reward import score_partition, score_rollouts
 from stages.reward_model import combine_rm_scores, reward_model_scores
 
 
@@ -38,48 +42,99 @@ def scored_rollouts(
     ray: RayResource,
 ) -> dg.MaterializeResult:
     """Rollouts with rule-based rewards by data_source (or reward.custom_reward_function's, its extra keys as
-    columns), each row's reward_version recorded; re-materialize to re-score without regenerating."""
+    columns), each row's reward_version recorded; re-materialize to re-score without regenerating. Rule and
+    custom rewards stream the partition through the stage executor (never whole in this step); a reward model
+    or judge combines in memory."""
     cfg, it = run_config.load(), iteration_of(context)
+    ray.ensure()
+    in_memory = cfg.reward.reward_model.enable or uses_judge(cfg)
+    v, summary = (score_in_memory if in_memory else score_streaming)(context, cfg, rollout_store, it)
+    bad = int((~np.isfinite(summary["reward"])).sum())
+    flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
+    return dg.MaterializeResult(
+        metadata={"delta_version": v, **reward_metadata(summary)},
+        data_version=data_version("scored_rollouts", v),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="rewards_finite",
+                passed=bad == 0 or (flag and bad < len(summary)),
+                severity=dg.AssetCheckSeverity.WARN if flag else dg.AssetCheckSeverity.ERROR,
+                metadata={"non_finite": bad, "on_error": cfg.reward.on_error},
+            )
+        ],
+    )
+
+
+SUMMARY = ["reward", "reward_fn", "reward_version"]
+"""The scored_rollouts columns the asset's metadata and check read back (never the token columns)."""
+
+
+def reward_metadata(summary) -> dict:
+    """The scored_rollouts asset's metadata from its SUMMARY columns."""
+    return {
+        "reward_mean": float(np.nanmean(summary["reward"])),
+        "rollouts": len(summary),
+        "reward_fns": sorted(summary["reward_fn"].unique()),
+        "reward_versions": sorted(summary["reward_version"].dropna().unique()),
+        "reward_histogram": dg.MetadataValue.md(reward_histogram_md(summary["reward"])),
+    }
+
+
+def score_streaming(context, cfg, rollout_store: RolloutStoreResource, it: int):
+    """(new version, SUMMARY columns): rule/custom rewards on the stage executor (stages/io/stage_exec.py),
+    the rollouts partition read at its recorded version batch by batch, ONE commit of scored_rollouts."""
+    version = version_to_read(context, rollout_store, "rollouts", cfg.run_id, it)
+    run = score_partition(
+        cfg.reward,
+        rollout_store.uri("rollouts"),
+        rollout_store.uri("scored_rollouts"),
+        run_id=cfg.run_id,
+        iteration=it,
+        version=version,
+        lineage=lambda s: lineage(
+            cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=s
+        ),
+        max_response_length=cfg.data.max_response_length,
+        data_min_rows=cfg.ray.data_min_rows,
+    )
+    context.log.info(f"scored {run.rows} rollouts ({'Ray Data' if run.mode == 'ray' else 'in-process, streamed'})")
+    summary, _ = rollout_store.read("scored_rollouts", cfg.run_id, it, version=run.version, columns=SUMMARY)
+    return run.version, summary
+
+
+def score_in_memory(context, cfg, rollout_store: RolloutStoreResource, it: int):
+    """(new version, SUMMARY columns): rule rewards combined with a reward model's or a judge's scores, the
+    partition in memory (the reward-model and judge groups take whole frames)."""
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
     judged, judged_version = read_if(uses_judge(cfg), context, rollout_store, "judgements", cfg.run_id, it)
-    ray.ensure()
     with timed() as t:
         scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
         if cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
             scored = combine_rm_scores(scored, reward_model_scores(cfg, df), cfg.reward.reward_model.combine)
         if judged is not None:  # a generative judge's verdicts (stages/judge.py)
             scored = combine_judge_scores(scored, judged, cfg.reward.judge.combine)
+    upstream = {"rollouts": version, "judgements": judged_version}
     v = write_table(
-        rollout_store,
-        cfg,
-        "scored_rollouts",
-        scored,
-        it,
-        policy_version=it,
-        upstream={"rollouts": version, "judgements": judged_version},
-        duration_s=t["s"],
+        rollout_store, cfg, "scored_rollouts", scored, it, policy_version=it, upstream=upstream, duration_s=t["s"]
     )
-    bad = int((~np.isfinite(scored["reward"])).sum())
-    flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
-    return dg.MaterializeResult(
-        metadata={
-            "delta_version": v,
-            "reward_mean": float(np.nanmean(scored["reward"])),
-            "rollouts": len(scored),
-            "reward_fns": sorted(scored["reward_fn"].unique()),
-            "reward_versions": sorted(scored["reward_version"].dropna().unique()),
-            "reward_histogram": dg.MetadataValue.md(reward_histogram_md(scored["reward"])),
-        },
-        data_version=data_version("scored_rollouts", v),
-        check_results=[
-            dg.AssetCheckResult(
-                check_name="rewards_finite",
-                passed=bad == 0 or (flag and bad < len(scored)),
-                severity=dg.AssetCheckSeverity.WARN if flag else dg.AssetCheckSeverity.ERROR,
-                metadata={"non_finite": bad, "on_error": cfg.reward.on_error},
-            )
-        ],
+    return v, scored[SUMMARY]
+
+
+def version_to_read(context, rollout_store: RolloutStoreResource, table: str, run_id: str, it: int) -> UpstreamVersion:
+    """The version read_recorded would read (the one the upstream asset's materialization recorded, else the
+    table's newest, with a warning), without reading any row."""
+    uri = rollout_store.uri(table)
+    version = recorded_version(context.instance, uri, table, run_id, it)
+    if version is not None:
+        return UpstreamVersion(version, "dagster")
+    if not store.table_exists(uri):
+        raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
+    newest = store.table_version(uri)
+    context.log.warning(
+        f"no Dagster materialization of '{table}' records a version "
+        f"of '{table}' for run {run_id} iteration {it}: reading its newest version {newest}"
     )
+    return UpstreamVersion(newest, "newest")
 
 
 @dg.asset(

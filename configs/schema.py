@@ -872,6 +872,10 @@ class RayConfig(_Strict):
     `{actor: {CPU: 2}, rollout: {CPU: 1}}`: a role named here gets one placement group of num_workers such
     bundles (PACK; trainer rank order = bundle order) and torch threads = the bundle's CPUs. A role not named
     requests nothing (num_cpus=0, placed anywhere: the local default)."""
+    data_min_rows: int | None = 50000
+    """Table stages (stages/io/stage_exec.py) run on Ray Data from this many rows of their input partition on,
+    else in the Dagster step's process, streamed batch by batch (Ray Data's start-up costs seconds a tiny
+    iteration does not have); 0: always Ray Data (a cluster), null: never."""
 
     @model_validator(mode="before")
     @classmethod

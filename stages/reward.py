@@ -47,6 +47,7 @@ from stages.data.custom_reward import (
 )
 from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import Scorer, scorer_for
+from stages.io.stage_exec import Lineage, StageRun, read_columns, run_table_stage
 from stages.io.tables import SCHEMAS
 from stages.workers.tasks import map_with_tasks
 
@@ -215,16 +216,14 @@ class RewardStage:
         )
 
 
-def score_rollouts(
-    rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True, max_response_length: int | None = None
-) -> pd.DataFrame:
-    """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
-    score, overlong_penalty, reward_version, reward_extra_keys and one column per extra key (one type each).
-    Overlong shaping applies when reward_cfg.overlong_buffer.enable and max_response_length (the generation
-    limit, data.max_response_length) is given. A custom function's file is read here, once per call."""
+def reward_stage(reward_cfg: RewardConfig, data_sources, *, max_response_length: int | None = None) -> RewardStage:
+    """The RewardStage of `reward_cfg`, checked before any work: an unknown data source (of `data_sources`, the
+    rows' distinct data_source values) or a missing math-verify fails here. A custom function's file is read
+    here, once, and travels inside the stage. Overlong shaping applies when reward_cfg.overlong_buffer.enable
+    and max_response_length (the generation limit, data.max_response_length) is given."""
     custom = read_custom_reward(reward_cfg.custom_reward_function)
     if custom is None:
-        for ds in rollouts["data_source"].unique():  # unknown data_source: fail before any work
+        for ds in data_sources:  # unknown data_source: fail before any work
             scorer_for(ds)
         if reward_cfg.math_method == "math_verify":  # missing math-verify: fail before any work
             require_math_verify()
@@ -232,20 +231,73 @@ def score_rollouts(
     overlong = None
     if ob is not None and ob.enable and max_response_length is not None:
         overlong = {"len": ob.len, "penalty_factor": ob.penalty_factor, "max_response_length": max_response_length}
-    kwargs = {
-        "format_score": reward_cfg.format_score,
-        "score": reward_cfg.score,
-        "on_error": reward_cfg.on_error,
-        "overlong": overlong,
-        "gsm8k_method": reward_cfg.gsm8k_method,
-        "math_method": reward_cfg.math_method,
-        "custom": custom,
-    }
+    return RewardStage(
+        format_score=reward_cfg.format_score,
+        score=reward_cfg.score,
+        on_error=reward_cfg.on_error,
+        overlong=overlong,
+        gsm8k_method=reward_cfg.gsm8k_method,
+        math_method=reward_cfg.math_method,
+        custom=custom,
+    )
+
+
+class ScoreBatch:
+    """A stage executor's batch callable (stages/io/stage_exec.py): one block of rollouts scored, in rollout_id
+    order, its extra-key columns typed (what score_rollouts gives for the whole partition, per block)."""
+
+    def __init__(self, stage: RewardStage) -> None:
+        self.stage = stage
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        scored = self.stage(batch.sort_values("rollout_id").reset_index(drop=True))
+        return typed_extras(scored)
+
+
+def score_rollouts(
+    rollouts: pd.DataFrame, reward_cfg: RewardConfig, *, use_ray: bool = True, max_response_length: int | None = None
+) -> pd.DataFrame:
+    """Score all rollouts; the output keeps every input column plus reward, reward_fn, reward_error,
+    score, overlong_penalty, reward_version, reward_extra_keys and one column per extra key (one type each).
+    (reward_stage: the checks, overlong shaping.) The scored_rollouts asset streams the partition through
+    ScoreBatch instead (score_partition); this is for frames already in memory (evaluation, rollout filters)."""
+    stage = reward_stage(reward_cfg, rollouts["data_source"].unique(), max_response_length=max_response_length)
     if not use_ray:
-        return typed_extras(RewardStage(**kwargs)(rollouts))
+        return typed_extras(stage(rollouts))
     parts = max(1, min(reward_cfg.num_workers, len(rollouts)))
-    out = map_with_tasks(rollouts, RewardStage(**kwargs), parts=parts, num_cpus=0.5)
+    out = map_with_tasks(rollouts, stage, parts=parts, num_cpus=0.5)
     return typed_extras(out.sort_values("rollout_id").reset_index(drop=True))
+
+
+def score_partition(
+    reward_cfg: RewardConfig,
+    source_uri: str,
+    target_uri: str,
+    *,
+    run_id: str,
+    iteration: int,
+    version: int | None,
+    lineage: Lineage,
+    max_response_length: int | None = None,
+    data_min_rows: int | None = None,
+) -> StageRun:
+    """The scored_rollouts stage on the stage executor: partition (run_id, iteration) of the rollouts table at
+    `source_uri` as of `version`, scored block by block (ScoreBatch) and written as that partition of
+    scored_rollouts at `target_uri` in one commit; in this process, or on Ray Data from `data_min_rows` rows.
+    Only the data_source column is read here whole (the checks of reward_stage)."""
+    sources = read_columns(source_uri, run_id, iteration, ["data_source"], version=version)["data_source"].unique()
+    stage = reward_stage(reward_cfg, sources, max_response_length=max_response_length)
+    return run_table_stage(
+        ScoreBatch(stage),
+        source_uri,
+        target_uri,
+        "scored_rollouts",
+        run_id=run_id,
+        iteration=iteration,
+        version=version,
+        lineage=lineage,
+        data_min_rows=data_min_rows,
+    )
 
 
 def typed_extras(scored: pd.DataFrame) -> pd.DataFrame:

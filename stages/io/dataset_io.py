@@ -22,7 +22,7 @@ import io
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -153,11 +153,12 @@ def write_partition_dataset(
     *,
     run_id: str,
     iteration: int,
-    lineage: Mapping[str, Any],
+    lineage: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     storage_options: Options = None,
 ) -> int:
     """Replace partition (run_id, iteration) of table `name` at `uri` with the rows of `ds`, written by the
-    workers; one atomic Delta commit with rlake's lineage. Returns the new table version."""
+    workers; one atomic Delta commit with rlake's lineage (or a function giving it, called once the files are
+    written: e.g. with the stage's duration). Returns the new table version."""
     options = uris.options_of(uri, storage_options)
     files = ds.map_batches(
         _write_block,
@@ -177,10 +178,12 @@ def write_partition_dataset(
 
 
 def _commit(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, lineage, storage_options) -> int:
-    """ONE Delta commit of the written files (one row each), replacing partition (run_id, iteration)."""
+    """ONE Delta commit of the written files (one row each), replacing partition (run_id, iteration); `lineage`
+    a mapping or a function giving it (called here, after the files are written)."""
+    lineage = lineage() if callable(lineage) else lineage
     schema = _merged_schema(list(files["schema"]))
-    full = pa.schema([*schema, pa.field("run_id", pa.string(), nullable=False)])
-    full = full.append(pa.field("iteration", pa.int64(), nullable=False))
+    keys = [pa.field("run_id", pa.string(), nullable=False), pa.field("iteration", pa.int64(), nullable=False)]
+    full = pa.schema([*keys, *schema])  # the partition columns first, as tables.SCHEMAS and store.write_partition
     sets: dict[str, set] = {}
     for raw in files["sets"]:
         for key, values in json.loads(raw).items():

@@ -1,0 +1,143 @@
+"""The Dagster step's memory on the reward path does not grow with the partition (#36): scored_rollouts streams
+the rollouts partition through the stage executor (stages/io/stage_exec.py) instead of reading it whole.
+
+Real Delta tables under tmp_path; each measurement runs in a fresh subprocess (ru_maxrss only ever grows, so a
+process measures one size). The advantages step still reads its partitions whole (stages/advantage.py): it is
+not measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "mem"
+SIZES = {0: 1_000, 1: 20_000, 2: 16}
+"""iteration -> rollouts: the small and the large partition, and a 16-row one that warms the child up."""
+
+pytestmark = pytest.mark.ray  # with the other table-stage tests (tests/stages/test_dataset_io.py)
+
+
+def _rollouts(n: int, seed: int) -> pd.DataFrame:
+    """n gsm8k rollouts in groups of 8 as the rollout stage writes them, ~128 prompt and ~256 response ids."""
+    rng = np.random.default_rng(seed)
+    group = np.arange(n) // 8
+    resp = rng.integers(128, 385, n)
+    answers = rng.integers(0, 1000, n // 8 + 1)[group]
+    said = np.where(rng.random(n) < 0.5, answers, answers + 1)
+    return pd.DataFrame(
+        {
+            "policy_version": 0,
+            "rollout_id": np.arange(n),
+            "prompt_id": group,
+            "group_id": group,
+            "sample_index": np.arange(n) % 8,
+            "data_source": "openai/gsm8k",
+            "ground_truth": [str(a) for a in answers.tolist()],
+            "prompt_text": "what does she pay? " * 20,
+            "prompt_token_ids": [rng.integers(0, 49152, 128, dtype=np.int32) for _ in range(n)],
+            "response_token_ids": [rng.integers(0, 49152, k, dtype=np.int32) for k in resp.tolist()],
+            "rollout_logprobs": [-rng.exponential(0.5, k).astype(np.float32) for k in resp.tolist()],
+            "response_text": [f"{'she pays twelve ' * 30}#### {a}" for a in said.tolist()],
+            "response_length": resp.astype(np.int32),
+            "finish_reason": "stop",
+            "engine": "hf",
+            "engine_sync": "build",
+            "engine_weights_fingerprint": "synthetic",
+        }
+    )
+
+
+def _measure(tables: Path, iteration: int) -> float:
+    """MB the child's peak RSS grew while scoring partition `iteration`, after a 16-row warm-up run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, __file__, str(tables), str(iteration)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["growth_mb"]
+
+
+def test_reward_step_peak_rss_does_not_grow_with_the_partition(tmp_path) -> None:
+    from stages.io import store
+
+    tables = tmp_path / "tables"
+    for it, n in SIZES.items():
+        store.write_partition(
+            str(tables / "rollouts"), "rollouts", _rollouts(n, it), run_id=RUN, iteration=it, lineage={}
+        )
+    small, large = _measure(tables, 0), _measure(tables, 1)
+    # Streamed, the step holds one batch (BATCH_ROWS = 1000 in the child) in and out, whatever the partition's
+    # size, so 1k and 20k rows peak alike (measured: 0 MB above the warm-up's peak at both). Read whole, as before
+    # the executor (read_partition + score_rollouts + write_partition), the same child grew 0 MB at 1k and 242 MB
+    # at 20k. The bound, 1.5x the 1k growth plus 40 MB (pyarrow's pool keeping freed buffers, one-off caches),
+    # passes the first and fails the second.
+    assert large <= 1.5 * small + 40, f"peak RSS grew {large:.0f} MB at 20k rows against {small:.0f} MB at 1k"
+
+
+def _child(tables: str, iteration: int) -> None:
+    """Score the warm-up partition, then `iteration`'s, as the scored_rollouts asset does; print the growth."""
+    from configs.schema import RewardConfig
+    from stages.io import stage_exec
+    from stages.reward import score_partition
+
+    stage_exec.BATCH_ROWS = 1000
+    src, dst = f"{tables}/rollouts", f"{tables}/scored_rollouts_{iteration}"
+
+    def score(it: int) -> None:
+        score_partition(
+            RewardConfig(), src, dst, run_id=RUN, iteration=it, version=None, lineage={}, data_min_rows=None
+        )
+
+    score(2)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    score(iteration)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"growth_mb": after - before}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], int(sys.argv[2]))
+
+
+@pytest.mark.parametrize("data_min_rows", [None, 0], ids=["in-process", "ray-data"])
+def test_streamed_scoring_writes_what_the_whole_frame_path_wrote(tmp_path, ray_session, monkeypatch, data_min_rows):
+    """Batches of 16 over 40 rows (3 files, one commit) hold the rows, types and lineage that score_rollouts on
+    the whole frame and write_partition hold."""
+    from configs.schema import RewardConfig
+    from stages.io import stage_exec, store
+    from stages.reward import score_partition, score_rollouts
+
+    monkeypatch.setattr(stage_exec, "BATCH_ROWS", 16)
+    src, cfg = str(tmp_path / "rollouts"), RewardConfig(on_error="flag")
+    rollouts = _rollouts(40, 0).sample(frac=1.0, random_state=0)  # shuffled: each batch is sorted by rollout_id
+    store.write_partition(src, "rollouts", rollouts, run_id=RUN, iteration=0, lineage={})
+    whole = score_rollouts(store.read_partition(src, RUN, 0), cfg, use_ray=False)
+    store.write_partition(str(tmp_path / "whole"), "scored_rollouts", whole, run_id=RUN, iteration=0, lineage={})
+    meta = {"stage": "scored_rollouts", "upstream": {"rollouts": 0}}
+    run = score_partition(
+        cfg,
+        src,
+        str(tmp_path / "streamed"),
+        run_id=RUN,
+        iteration=0,
+        version=0,
+        lineage=lambda s: meta,
+        data_min_rows=data_min_rows,
+    )
+    assert (run.rows, run.mode, run.version) == (40, "local" if data_min_rows is None else "ray", 0)
+    got, want = (
+        store.read_partition(str(tmp_path / name), RUN, 0).sort_values("rollout_id").reset_index(drop=True)
+        for name in ("streamed", "whole")
+    )
+    pd.testing.assert_frame_equal(got[list(want.columns)], want)
+    (commit,) = store.commit_lineage(str(tmp_path / "streamed"))
+    assert commit["upstream"] == {"rollouts": 0} and commit["table"] == "scored_rollouts"
