@@ -42,9 +42,9 @@ import pandas as pd
 import pyarrow as pa
 import ray
 
-from assets.common import write_table
+from assets.common import lineage, write_table
 from assets.resources import RolloutStoreResource, TrackerResource, resolve_run_config
-from assets.scoring import reward_histogram_md
+from assets.scoring import SUMMARY, reward_metadata
 from assets.training import stage_timings
 from stages.advantage import iteration_advantages
 from stages.io import sql
@@ -53,7 +53,7 @@ from stages.io.store import code_version
 from stages.io.tables import SCHEMAS
 from stages.io.tracking import delta_dataset_input
 from stages.metrics import iteration_metrics
-from stages.reward import score_rollouts
+from stages.reward import score_partition, score_rollouts
 from stages.run.machine import cpu_description
 from stages.run.resume import completed_iterations
 from stages.workers.connect import ensure_ray_for
@@ -137,12 +137,37 @@ def prepare(n: int, tokens: int, root: Path) -> dict:
     return {"prepare_s": dict(clock), "prepare_peak_rss_mb": peak_mb()}
 
 
-def read_at_recorded(store, table: str, it: int):
-    """read_recorded once a materialization recorded the version: table_exists, commit_lineage, read at it."""
+def recorded_at(store, table: str, it: int) -> int:
+    """The version a materialization recorded (table_exists, commit_lineage), without reading rows."""
     uri = store.uri(table)
     delta.table_exists(uri)
-    version = max(c["version"] for c in delta.commit_lineage(uri, run_id=RUN, iteration=it))
-    return store.read(table, RUN, it, version=version)
+    return max(c["version"] for c in delta.commit_lineage(uri, run_id=RUN, iteration=it))
+
+
+def read_at_recorded(store, table: str, it: int):
+    """read_recorded once a materialization recorded the version: table_exists, commit_lineage, read at it."""
+    return store.read(table, RUN, it, version=recorded_at(store, table, it))
+
+
+def reward_step(cfg, store, clock: Clock) -> None:
+    """The scored_rollouts step as assets/scoring.py score_streaming runs it: the stage executor (streamed in
+    this process, Ray Data from ray.data_min_rows rows), then the metadata from the SUMMARY columns."""
+    with clock("reward.read"):  # the recorded version only: the executor reads the rows batch by batch
+        up = {"rollouts": recorded_at(store, "rollouts", 0)}
+    with clock("reward.compute+write"):
+        run = score_partition(
+            cfg.reward,
+            store.uri("rollouts"),
+            store.uri("scored_rollouts"),
+            run_id=RUN,
+            iteration=0,
+            version=up["rollouts"],
+            lineage=lambda s: lineage(cfg, stage="scored_rollouts", policy_version=0, upstream=up, duration_s=s),
+            max_response_length=cfg.data.max_response_length,
+            data_min_rows=cfg.ray.data_min_rows,
+        )
+    with clock("reward.metadata"):  # the asset's MaterializeResult
+        reward_metadata(store.read("scored_rollouts", RUN, 0, version=run.version, columns=SUMMARY)[0])
 
 
 def steps(root: Path) -> dict:
@@ -153,17 +178,10 @@ def steps(root: Path) -> dict:
     with clock("ray_start (once per run)"):
         ensure_ray_for(cfg)
     with clock("reward task workers start (once per run)"):  # 16 rows: Ray's task workers start and import
-        score_rollouts(synthetic(16, 8)[0], cfg.reward)
+        score_rollouts(synthetic(16, 8)[0], cfg.reward)  # the in-memory path (reward model, judge) only now
 
     def reward():
-        with clock("reward.read"):
-            df, version = read_at_recorded(store, "rollouts", 0)
-        with clock("reward.compute"):
-            scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
-        with clock("reward.write"):
-            write_table(store, cfg, "scored_rollouts", scored, 0, policy_version=0, upstream={"rollouts": version})
-        with clock("reward.metadata"):  # the asset's MaterializeResult
-            np.nanmean(scored["reward"]), scored["reward_fn"].unique(), reward_histogram_md(scored["reward"])
+        reward_step(cfg, store, clock)
 
     def advantages():
         with clock("advantages.read"):
