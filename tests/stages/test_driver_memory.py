@@ -141,3 +141,27 @@ def test_streamed_scoring_writes_what_the_whole_frame_path_wrote(tmp_path, ray_s
     pd.testing.assert_frame_equal(got[list(want.columns)], want)
     (commit,) = store.commit_lineage(str(tmp_path / "streamed"))
     assert commit["upstream"] == {"rollouts": 0} and commit["table"] == "scored_rollouts"
+
+
+@pytest.mark.cluster  # the S3 server, as tests/stages/test_storage_s3.py
+def test_streamed_scoring_reads_and_writes_s3(s3_env, monkeypatch) -> None:
+    """On s3:// the in-process mode reads the files through the table's object store and writes through
+    stages/io/objects.py: the same rows as score_rollouts on the whole frame, in one commit."""
+    import uuid
+
+    from assets.resources import RolloutStoreResource
+    from configs.schema import RewardConfig
+    from stages.io import stage_exec
+    from stages.reward import score_partition, score_rollouts
+
+    monkeypatch.setattr(stage_exec, "BATCH_ROWS", 8)
+    res = RolloutStoreResource(root=s3_env.root(f"exec-{uuid.uuid4().hex[:8]}"), storage_options=s3_env.storage_options)
+    res.write("rollouts", _rollouts(20, 0), run_id=RUN, iteration=0, lineage={})
+    run = score_partition(
+        RewardConfig(), res.uri("rollouts"), res.uri("scored_rollouts"), run_id=RUN, iteration=0, version=0, lineage={}
+    )
+    got, version = res.read("scored_rollouts", RUN, 0)
+    want = score_rollouts(res.read("rollouts", RUN, 0)[0], RewardConfig(), use_ray=False)
+    assert (run.mode, run.version, version) == ("local", 0, 0)
+    got = got.sort_values("rollout_id").reset_index(drop=True)
+    assert got["reward"].tolist() == want["reward"].tolist() and got["score"].tolist() == want["score"].tolist()
