@@ -34,7 +34,7 @@ from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
 from stages.io import objects, uris
-from stages.io.store import LINEAGE_PREFIX, Options, _open, code_version, table_exists, to_arrow
+from stages.io.store import LINEAGE_PREFIX, TABLE_CONFIGURATION, Options, _open, code_version, table_exists, to_arrow
 from stages.io.tables import COMMIT_SETS
 
 KEYS = ("run_id", "iteration")
@@ -205,6 +205,7 @@ def _commit(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, line
             partition_by=list(KEYS),
             storage_options=opts,
             commit_properties=props,
+            configuration=TABLE_CONFIGURATION,
         )
     else:
         dt = DeltaTable(path, storage_options=opts)

@@ -147,10 +147,20 @@ class MaintenancePlan:
     dry_run: bool = False
 
 
+def _keep_log(dt: DeltaTable, dry_run: bool) -> DeltaTable:
+    """A table created before rlake set store.TABLE_CONFIGURATION gets it (one metadata commit): its commit log,
+    the lineage, is then never expired by delta-rs's automatic checkpoints."""
+    config = dt.metadata().configuration
+    missing = {k: v for k, v in store.TABLE_CONFIGURATION.items() if config.get(k) != v}
+    if missing and not dry_run:
+        dt.alter.set_table_properties(missing)
+    return dt
+
+
 def maintain_table(uri: str, plan: MaintenancePlan, keep: set[int], storage_options: Options = None) -> TableReport:
     """Compact, checkpoint and vacuum one table as `plan` says, keeping the files of versions `keep`."""
     t0, steps = time.perf_counter(), {}
-    dt = store.open_table(uri, storage_options=storage_options)
+    dt = _keep_log(store.open_table(uri, storage_options=storage_options), plan.dry_run)
     report = TableReport(uris.name(uri), file_count(dt), file_count(dt), dt.version(), dt.version())
     if plan.compact and not plan.dry_run:
         report.compacted_files = _compact(dt, plan.partition_filters, plan.target_size)

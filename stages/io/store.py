@@ -121,6 +121,13 @@ def extra_columns(name: str, df: pd.DataFrame) -> list[str]:
     return names
 
 
+TABLE_CONFIGURATION = {"delta.enableExpiredLogCleanup": "false"}
+"""Properties of every table rlake creates. The commit log IS rlake's lineage (each commit's rlake.* metadata), so
+it is never expired: delta-rs otherwise deletes commits older than delta.logRetentionDuration (30 days) whenever
+it writes its automatic checkpoint (every 100 commits), and with them the lineage and time travel of old
+iterations. Data files are only removed by `rlake maintain`'s VACUUM, which keeps every recorded version."""
+
+
 def write_partition(
     uri: str,
     name: str,
@@ -148,6 +155,7 @@ def write_partition(
             partition_by=["run_id", "iteration"],
             commit_properties=props,
             storage_options=opts,
+            configuration=TABLE_CONFIGURATION,
         )
         return DeltaTable(path, storage_options=opts).version()
     safe_run = run_id.replace("'", "''")
@@ -209,7 +217,14 @@ def read_partition_at(
     if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     dt = open_table(uri, version=version, storage_options=storage_options)
-    df = dt.to_pandas(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns)
+    try:
+        df = dt.to_pandas(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns)
+    except FileNotFoundError:
+        if version is not None:  # a recorded version VACUUM removed: say so (what, why, how to fix)
+            from stages.io.maintenance import check_version_files  # noqa: PLC0415 - maintenance imports store
+
+            check_version_files(uri, version, run_id=run_id, iteration=iteration, storage_options=storage_options)
+        raise
     if not len(df):
         raise LookupError(
             f"table '{uri}' (version {dt.version()}) has no rows for run '{run_id}' iteration "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pytest
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -133,3 +134,37 @@ def test_lake_maintenance_job(lake) -> None:
     reports = {r["table"]: r for r in result.output_for_node("maintain_lake")}
     assert (reports["rollouts"]["files_before"], reports["rollouts"]["files_after"]) == (2 * BLOCKS, 2)
     assert lake_maintenance_schedule.default_status.value == "STOPPED"  # turned on by hand only
+
+
+def test_commit_log_is_never_expired_so_old_lineage_stays(tmp_path):
+    # delta-rs deletes commits older than delta.logRetentionDuration whenever it writes its automatic checkpoint
+    # (every 100 commits). With a 0 s retention, 105 appends would leave 6 commits (99..104) of history; rlake's
+    # tables set delta.enableExpiredLogCleanup=false, so all 105 commits (and their lineage) stay.
+    uri = str(tmp_path / "iteration_metrics")
+    for it in range(105):
+        row = pd.DataFrame({"policy_version": [it], "metric": ["m"], "value": [float(it)]})
+        store.write_partition(uri, "iteration_metrics", row, run_id="r", iteration=it, lineage={})
+        if it == 0:
+            DeltaTable(uri).alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+    assert len(DeltaTable(uri).history()) == 106  # 105 writes + the property change
+    assert store.read_partition(uri, "r", 0, version=0)["value"].tolist() == [0.0]
+
+
+def test_maintain_sets_the_log_property_on_an_older_table(tmp_path):
+    uri = str(tmp_path / "old")
+    write_deltalake(uri, pa.table({"run_id": ["r"], "iteration": [0], "x": [1]}), partition_by=["run_id", "iteration"])
+    assert "delta.enableExpiredLogCleanup" not in DeltaTable(uri).metadata().configuration
+    maintain_tables(str(tmp_path), tables=["old"], vacuum_retention_hours=None)
+    assert DeltaTable(uri).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+
+def test_reading_a_vacuumed_recorded_version_says_what_and_how_to_fix(tmp_path):
+    uri = str(tmp_path / "iteration_metrics")
+    for value in (1.0, 2.0):  # v0, then v1 replaces the partition
+        row = pd.DataFrame({"policy_version": [0], "metric": ["m"], "value": [value]})
+        store.write_partition(uri, "iteration_metrics", row, run_id="r", iteration=0, lineage={})
+    for f in DeltaTable(uri, version=0).file_uris():  # what a VACUUM without lineage would remove
+        Path(f.removeprefix("file://")).unlink()
+    with pytest.raises(VacuumedVersionError):
+        store.read_partition(uri, "r", 0, version=0)
+    assert store.read_partition(uri, "r", 0)["value"].tolist() == [2.0]
