@@ -29,7 +29,13 @@ import psutil
 from assets.common import add_partitions, partition_key
 from configs.errors import load_run_config
 from configs.schema import RunConfig
-from pipelines.dagster_storage import NUX_OFF, TELEMETRY_OFF, check_instance_yaml, dagster_home  # noqa: F401 - API
+from pipelines.dagster_storage import (  # noqa: F401 - API
+    NUX_OFF,
+    TELEMETRY_OFF,
+    check_instance_yaml,
+    dagster_home,
+    pool_postgres_connections,
+)
 from pipelines.definitions import build_definitions
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
 from pipelines.one_step_off import run_one_step_off
@@ -101,6 +107,7 @@ def run_training(
         progress.phase("dagster", "instance and definitions")
         defs = build_definitions(cfg)
         instance = dg.DagsterInstance.get()
+        pool_postgres_connections(instance)  # a team's Postgres instance: keep connections open for the run
         _start(cfg, plan, instance, progress)
         setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
     except BaseException as exc:

@@ -253,3 +253,39 @@ def test_dagster_home_refuses_a_password_in_the_file_and_a_driverless_postgres_d
         with pytest.raises(ValueError, match="holds a password"):
             dagster_home(str(tmp_path / "out"))
     assert conf.read_text() == leaky  # nothing appended to a refused file
+
+
+COUNT_CONNECTIONS = """
+    import json, time
+    import dagster as dg
+    from sqlalchemy import event
+    from pipelines.dagster_storage import pool_postgres_connections
+
+    def work(pooled):
+        instance = dg.DagsterInstance.get()
+        used = pool_postgres_connections(instance) if pooled else False
+        opened = []
+        for storage in (instance.run_storage, instance.event_log_storage):
+            event.listen(storage._engine, "connect", lambda *_: opened.append(1))
+        t = time.perf_counter()
+        for i in range(20):  # the kind of calls an iteration makes: run records, materialization lookups
+            instance.get_runs(limit=1)
+            instance.fetch_materializations(dg.AssetKey(f"a{i}"), limit=1)
+        return used, len(opened), (time.perf_counter() - t) / 40
+
+    off, on = work(False), work(True)
+    print(json.dumps({"unpooled": off, "pooled": on}))
+"""
+
+
+def test_rlake_train_keeps_its_postgres_connections_open(pg_home) -> None:
+    # dagster-postgres opens a connection per statement batch (NullPool): 40 instance calls open about 40
+    # connections. pool_postgres_connections (what `rlake train` calls on its instance) keeps them open: the same
+    # 40 calls open at most one per storage engine (run storage + event log = 2).
+    _, env = pg_home
+    got = _python(COUNT_CONNECTIONS, env)
+    used_off, opened_off, _ = got["unpooled"]
+    used_on, opened_on, _ = got["pooled"]
+    assert not used_off and used_on
+    assert opened_off >= 40, got
+    assert opened_on <= 2, got
