@@ -106,8 +106,7 @@ def run_training(
         dagster_home(cfg.trainer.output_dir)
         progress.phase("dagster", "instance and definitions")
         defs = build_definitions(cfg)
-        instance = dg.DagsterInstance.get()
-        pool_postgres_connections(instance)  # a team's Postgres instance: keep connections open for the run
+        instance = _instance()
         _start(cfg, plan, instance, progress)
         setup, history = _run_jobs(defs, instance, cfg, plan, steps, progress)
     except BaseException as exc:
@@ -129,6 +128,13 @@ def run_training(
         "start_iteration": plan.start_iteration,
         "resume": plan.reason,
     }
+
+
+def _instance() -> dg.DagsterInstance:
+    """The DAGSTER_HOME's instance; on a team's Postgres it keeps its connections open for the run."""
+    instance = dg.DagsterInstance.get()
+    pool_postgres_connections(instance)
+    return instance
 
 
 def _prepare(config, overrides, run_id, steps, progress: RunProgress):
