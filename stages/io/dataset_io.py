@@ -34,7 +34,17 @@ from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
 from stages.io import objects, uris
-from stages.io.store import LINEAGE_PREFIX, TABLE_CONFIGURATION, Options, _open, code_version, table_exists, to_arrow
+from stages.io.store import (
+    LINEAGE_PREFIX,
+    TABLE_CONFIGURATION,
+    Options,
+    _open,
+    code_version,
+    empty_partition_error,
+    missing_partition_error,
+    table_exists,
+    to_arrow,
+)
 from stages.io.tables import COMMIT_SETS
 
 KEYS = ("run_id", "iteration")
@@ -45,15 +55,24 @@ def _store(uri: str, storage_options: Options):
     return objects.open_store(uris.target(uri), uris.options_of(uri, storage_options))
 
 
-def partition_files(
+def partition_actions(
     uri: str, run_id: str, iteration: int, *, version: int | None = None, storage_options: Options = None
-) -> list[str]:
-    """Paths (relative to the table root) of the Parquet files of partition (run_id, iteration) at `version`."""
+) -> dict[str, list]:
+    """The Delta log's add actions (flattened: path, size, num_records, ...) of the files of partition
+    (run_id, iteration) at `version`, column by column: the log's file list, a few KB, no data read."""
     path, opts = _open(uri, storage_options)
     dt = DeltaTable(path, version=version, storage_options=opts)
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pydict()  # an arro3 table: via the C data interface
     runs, its = actions["partition.run_id"], actions["partition.iteration"]
-    return [p for p, r, i in zip(actions["path"], runs, its, strict=True) if r == run_id and int(i) == iteration]
+    keep = [k for k, (r, i) in enumerate(zip(runs, its, strict=True)) if r == run_id and int(i) == iteration]
+    return {column: [values[k] for k in keep] for column, values in actions.items()}
+
+
+def partition_files(
+    uri: str, run_id: str, iteration: int, *, version: int | None = None, storage_options: Options = None
+) -> list[str]:
+    """Paths (relative to the table root) of the Parquet files of partition (run_id, iteration) at `version`."""
+    return partition_actions(uri, run_id, iteration, version=version, storage_options=storage_options)["path"]
 
 
 def _read_files(batch: dict[str, Any], *, uri: str, options: dict | None, columns: list[str] | None) -> pa.Table:
@@ -86,10 +105,7 @@ def read_partition_dataset(
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     files = partition_files(uri, run_id, iteration, version=version, storage_options=storage_options)
     if not files:
-        raise LookupError(
-            f"table '{uri}' (version {version if version is not None else 'newest'}) has no files for run "
-            f"'{run_id}' iteration {iteration}: materialize that partition of its asset first"
-        )
+        raise missing_partition_error(uri, version, run_id, iteration, what="files")
     listing = ray.data.from_items([{"path": p, "run_id": run_id, "iteration": iteration} for p in files])
     return listing.map_batches(
         _read_files,
@@ -168,10 +184,7 @@ def write_partition_dataset(
     ).to_pandas()  # one small row per written file: the only thing that reaches the caller
     files = files[files["rows"] > 0] if "rows" in files else files  # no block at all: no columns either
     if not len(files):
-        raise ValueError(
-            f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
-            f"{iteration}): an empty stage output means an upstream stage produced nothing"
-        )
+        raise empty_partition_error(name, run_id, iteration)
     return _commit(
         uri, name, files, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=storage_options
     )

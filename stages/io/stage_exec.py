@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from stages.io import dataset_io, uris
+from stages.io import dataset_io, store, uris
 from stages.io.store import Options, _open
 
 BATCH_ROWS = 4096
@@ -51,23 +50,11 @@ class StageRun:
     mode: str
 
 
-def _partition_actions(uri: str, run_id: str, iteration: int, version: int | None, storage_options: Options):
-    path, opts = _open(uri, storage_options)
-    dt = DeltaTable(path, version=version, storage_options=opts)
-    actions = pa.table(dt.get_add_actions(flatten=True)).to_pydict()  # the log's file list: a few KB
-    keep = [
-        i
-        for i, (r, it) in enumerate(zip(actions["partition.run_id"], actions["partition.iteration"], strict=True))
-        if r == run_id and int(it) == iteration
-    ]
-    return {k: [v[i] for i in keep] for k, v in actions.items()}
-
-
 def partition_rows(
     uri: str, run_id: str, iteration: int, *, version: int | None = None, storage_options: Options = None
 ) -> int:
     """Rows of partition (run_id, iteration) at `version`, summed from the add actions' numRecords stats."""
-    actions = _partition_actions(uri, run_id, iteration, version, storage_options)
+    actions = dataset_io.partition_actions(uri, run_id, iteration, version=version, storage_options=storage_options)
     counts = actions.get("num_records", [])
     if any(c is None for c in counts):  # a file written without stats: count its rows (metadata only)
         return sum(f.count_rows() for f in _dataset(uri, run_id, iteration, version, storage_options).get_fragments())
@@ -140,10 +127,7 @@ def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iter
                 )
             )
     if not files:
-        raise ValueError(
-            f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
-            f"{iteration}): an empty stage output means an upstream stage produced nothing"
-        )
+        raise store.empty_partition_error(name, run_id, iteration)
     listing = pd.concat(files, ignore_index=True)
     return dataset_io._commit(
         target, name, listing, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts
@@ -183,10 +167,7 @@ def run_table_stage(
     meta = (lambda: lineage(time.perf_counter() - t0)) if callable(lineage) else lineage
     rows = partition_rows(source_uri, run_id, iteration, version=version, storage_options=storage_options)
     if not rows:
-        raise LookupError(
-            f"table '{source_uri}' (version {version if version is not None else 'newest'}) has no rows for run "
-            f"'{run_id}' iteration {iteration}: materialize that partition of its asset first"
-        )
+        raise store.missing_partition_error(source_uri, version, run_id, iteration)
     mode = choose_mode(rows, data_min_rows)
     run = _run_ray if mode == "ray" else _run_local
     v = run(

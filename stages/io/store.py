@@ -128,6 +128,26 @@ it writes its automatic checkpoint (every 100 commits), and with them the lineag
 iterations. Data files are only removed by `rlake maintain`'s VACUUM, which keeps every recorded version."""
 
 
+def empty_partition_error(name: str, run_id: str, iteration: int) -> ValueError:
+    """What every partition write raises instead of committing no rows."""
+    return ValueError(
+        f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
+        f"{iteration}): an empty stage output means an upstream stage produced nothing"
+    )
+
+
+def missing_partition_error(
+    uri: str, version: int | None, run_id: str, iteration: int, *, what: str = "rows"
+) -> LookupError:
+    """What every partition read raises when table `uri` at `version` (None: newest) has no such partition
+    (`what` it found none of: rows, or the files a Dataset would read)."""
+    at = "newest" if version is None else version
+    return LookupError(
+        f"table '{uri}' (version {at}) has no {what} for run '{run_id}' iteration {iteration}: "
+        "materialize that partition of its asset first"
+    )
+
+
 def write_partition(
     uri: str,
     name: str,
@@ -140,10 +160,7 @@ def write_partition(
 ) -> int:
     """Replace partition (run_id, iteration) of table `name` at `uri`; returns the new version."""
     if not len(df):
-        raise ValueError(
-            f"refusing to write an empty partition of '{name}' (run {run_id}, iteration "
-            f"{iteration}): an empty stage output means an upstream stage produced nothing"
-        )
+        raise empty_partition_error(name, run_id, iteration)
     data = to_arrow(name, df.assign(run_id=run_id, iteration=iteration))
     props = CommitProperties(custom_metadata=commit_metadata(name, data, run_id, iteration, lineage))
     path, opts = _open(uri, storage_options)
@@ -226,10 +243,7 @@ def read_partition_at(
             check_version_files(uri, version, run_id=run_id, iteration=iteration, storage_options=storage_options)
         raise
     if not len(df):
-        raise LookupError(
-            f"table '{uri}' (version {dt.version()}) has no rows for run '{run_id}' iteration "
-            f"{iteration}: materialize that partition of its asset first"
-        )
+        raise missing_partition_error(uri, dt.version(), run_id, iteration)
     return df, dt.version()
 
 
