@@ -124,9 +124,14 @@ def killed_and_resumed(tmp_path_factory) -> tuple[Path, list[str]]:
     def part_dir(table: str, it: int) -> Callable[[], bool]:  # a stat per poll: the data file is being written
         return (out / "tables" / table / f"run_id={RUN}" / f"iteration={it}").is_dir
 
+    def first_commit(table: str) -> Callable[[], bool]:  # a stat per poll: the table's first commit landed
+        return (out / "tables" / table / "_delta_log" / "00000000000000000000.json").exists
+
     points = [
         ("mid-generation of iteration 0", part_dir("prompt_batches", 0), 0.0, lambda: not _has(out, "rollouts", 0)),
-        ("mid-update of iteration 0", part_dir("advantages", 0), 0.3, lambda: not _has(out, "iteration_metrics", 0)),
+        # the advantages table's first commit: the update of iteration 0 starts right after it (a fixed delay
+        # after its data file appeared no longer landed mid-update once the bookkeeping got faster)
+        ("mid-update of iteration 0", first_commit("advantages"), 0.0, lambda: not _has(out, "iteration_metrics", 0)),
         (
             "checkpoint policy_v2 being written",
             lambda: (ckpts / "policy_v2.tmp").exists() or (ckpts / "policy_v2").exists(),
