@@ -303,6 +303,15 @@ class ActorConfig(_Strict):
     """Prompts per optimizer step (verl semantics: multiplied by rollout.n for rollouts)."""
     ppo_micro_batch_size: int = 64
     """Rollouts per forward/backward (gradient accumulation inside a mini-batch), per worker."""
+    use_dynamic_bsz: bool = False
+    """verl's name: micro-batches cut by a token budget instead of ppo_micro_batch_size rows, each packed into one
+    row without padding (stages/train/packing.py), in the update and the log-prob passes (old and reference
+    log-probs); the loss is the padded path's up to float rounding. torch and fsdp strategies."""
+    ppo_max_token_len_per_gpu: int = Field(16384, gt=0)
+    """With use_dynamic_bsz: real tokens (prompt + response) per update micro-batch, per worker (verl's default)."""
+    log_prob_max_token_len_per_gpu: int = Field(16384, gt=0)
+    """With use_dynamic_bsz: real tokens per micro-batch of the old and reference log-prob passes (verl keeps
+    one under rollout and one under ref; rlake one for both)."""
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -341,6 +350,16 @@ class ActorConfig(_Strict):
                 "rlake wraps the policy in peft adapters only in the torch (DDP) trainer; the FSDP2 sharding and the "
                 "Megatron HF<->GPT conversion of rlake know plain HF parameters only; use actor.strategy='torch' "
                 "with LoRA, or actor.lora.rank=0 (full fine-tuning) with fsdp/megatron."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_bsz_needs_torch(self) -> ActorConfig:
+        if self.use_dynamic_bsz and self.strategy == "megatron":
+            raise ValueError(
+                "actor.use_dynamic_bsz=True is not supported with actor.strategy='megatron', because rlake packs "
+                "sequences in the HF model's forward (torch and fsdp) and its Megatron schedule takes padded "
+                "micro-batches of a fixed size; use actor.strategy='torch' or 'fsdp', or actor.use_dynamic_bsz=False."
             )
         return self
 

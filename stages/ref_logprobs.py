@@ -37,6 +37,7 @@ def reference_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, ref_dir: str | Pa
         num_workers=cfg.rollout.num_workers,
         temperature=logprob_temperature(cfg.rollout.temperature),
         param_dtype=cfg.actor.mixed_precision.param_dtype,
+        max_token_len=cfg.actor.log_prob_max_token_len_per_gpu if cfg.actor.use_dynamic_bsz else None,
         gpus=GpuPool.of(cfg.trainer),
     )
 
@@ -50,6 +51,7 @@ def compute_ref_logprobs(
     use_ray: bool = True,
     temperature: float = 1.0,
     param_dtype: str = "float32",
+    max_token_len: int | None = None,
     gpus: GpuPool = CPU_ONLY,
 ) -> pd.DataFrame:
     """Rows of the ref_logprobs table (rollout_id, policy_version, ref_policy_version, ref_logprobs),
@@ -57,7 +59,8 @@ def compute_ref_logprobs(
 
     param_dtype: the forward's compute dtype (the actor's, so KL terms compare like with like).
     use_ray=False computes in this process (a RefWorker at this process's thread count); a killed ref
-    worker is replaced and the call retried up to MAX_ACTOR_RESTARTS times."""
+    worker is replaced and the call retried up to MAX_ACTOR_RESTARTS times. max_token_len: packed micro-batches of
+    at most that many tokens (actor.use_dynamic_bsz, RefWorker); None: micro_batch_size padded rollouts."""
     if not len(rollouts):
         raise ValueError("compute_ref_logprobs got no rollouts: the rollouts partition is empty")
     kwargs = {
@@ -66,6 +69,7 @@ def compute_ref_logprobs(
         "micro_batch_size": micro_batch_size,
         "temperature": temperature,
         "param_dtype": param_dtype,
+        "max_token_len": max_token_len,
     }
     if use_ray:
         workers = max(1, min(num_workers, len(rollouts)))

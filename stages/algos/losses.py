@@ -44,6 +44,7 @@ __all__ = [
     "GlobalBatch",
     "POLICY_LOSS_FNS",
     "aggregate_loss",
+    "at_least_float32",
     "compute_policy_loss",
     "compute_policy_loss_gspo",
     "entropy_from_logits",
@@ -243,6 +244,12 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return POLICY_LOSS_FNS[name]
 
 
+def at_least_float32(x: Tensor) -> Tensor:
+    """x upcast to float32 from a narrower dtype (bf16 logits); float32 and float64 as they are (the same tensor),
+    so a float64 model (the packing equality test) keeps its precision."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the categorical distribution per position.
 
@@ -251,7 +258,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     Returns:
         (N, L).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, L, V)
+    logp = torch.log_softmax(at_least_float32(logits), dim=-1)  # (N, L, V)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -264,5 +271,5 @@ def gather_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
     Returns:
         (N, L).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, L, V)
+    logp = torch.log_softmax(at_least_float32(logits), dim=-1)  # (N, L, V)
     return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # (N, L)

@@ -13,6 +13,8 @@ padding (exactly 1 when recomputed here).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -20,11 +22,14 @@ from torch import Tensor
 from stages.algos.losses import GlobalBatch, gather_logprobs
 from stages.train.batching import actor_batch, model_device, response_logits, select_rows, to_device
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
+from stages.train.packing import packed_response_terms, split_by_tokens, token_budget_micro_batches
 from stages.train.ppo_loop import (
     MetricAccumulator,
     accumulate_grads,
     actor_loss,
+    actor_loss_terms,
     apply_rollout_correction,
+    collective_device,
     global_minibatch_count,
     mean_over_workers,
     ppo_loop,
@@ -38,17 +43,51 @@ def _world_size() -> int:
 
 @torch.no_grad()
 def compute_logprobs(
-    model, batch: dict, micro_batch_size: int, temperature: float = 1.0, *, param_dtype: str = "float32"
+    model,
+    batch: dict,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    *,
+    param_dtype: str = "float32",
+    max_token_len: int | None = None,
 ) -> Tensor:
     """Float32 log-probs of the response tokens under `model` at `temperature`, its forward computed at
-    param_dtype (stages.train.precision): (N, L)."""
-    out = []
+    param_dtype (stages.train.precision): (N, L). max_token_len (actor.log_prob_max_token_len_per_gpu with
+    actor.use_dynamic_bsz): packed micro-batches of at most that many real tokens (stages.train.packing) instead
+    of micro_batch_size padded rows, 0 on the padding (where the padded path has the pad positions' values)."""
     n, device = batch["input_ids"].shape[0], model_device(model)
+    if max_token_len is not None:
+        parts = split_by_tokens(torch.arange(n), batch["attention_mask"].sum(-1).cpu(), max_token_len)
+        done = [
+            packed_response_terms(
+                model, to_device(select_rows(batch, idx), device), temperature, param_dtype, entropy=False
+            )[0]
+            for idx in parts
+        ]  # (n_mb, L) each
+        order = torch.argsort(torch.cat(parts)).to(device)
+        return torch.cat(done)[order]  # (N, L) in the batch's row order
+    chunks = []
     for s in range(0, n, micro_batch_size):
         mb = to_device(select_rows(batch, torch.arange(s, min(s + micro_batch_size, n))), device)
         logits = response_logits(model, mb, temperature, param_dtype=param_dtype)  # (n_mb, L, V)
-        out.append(gather_logprobs(logits, mb["responses"]))
-    return torch.cat(out)
+        chunks.append(gather_logprobs(logits, mb["responses"]))
+    return torch.cat(chunks)
+
+
+def dynamic_split(token_lengths: Tensor, max_token_len: int, world: int) -> Callable[[Tensor], list[Tensor]]:
+    """ppo_loop's `split` for actor.use_dynamic_bsz: a mini-batch's rows cut by the token budget
+    (stages.train.packing.split_by_tokens), with as many micro-batches on every data-parallel rank (the most any
+    rank needs: FSDP's forwards are collectives); token_lengths (N,) the rows' real tokens."""
+
+    def split(mini: Tensor) -> list[Tensor]:
+        count = len(token_budget_micro_batches(token_lengths[mini].tolist(), max_token_len))
+        if world > 1:
+            t = torch.tensor([count], dtype=torch.int64, device=collective_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            count = int(t.item())
+        return split_by_tokens(mini, token_lengths, max_token_len, min_count=count)
+
+    return split
 
 
 # long: the docstring and the shared loop's arguments, one per line; the logic is the 20 lines between
@@ -95,9 +134,12 @@ def ppo_update(
     n = batch["input_ids"].shape[0]
     mb_size = actor_cfg.ppo_micro_batch_size
     param_dtype = actor_cfg.mixed_precision.param_dtype
+    budget = actor_cfg.log_prob_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
     if "old_logprobs" not in batch:  # rows without the old_logprobs stage's (unit tests): recompute them
         model.eval()
-        batch["old_logprobs"] = compute_logprobs(model, batch, mb_size, temperature, param_dtype=param_dtype)
+        batch["old_logprobs"] = compute_logprobs(
+            model, batch, mb_size, temperature, param_dtype=param_dtype, max_token_len=budget
+        )
     model.train()
     per_worker_mini = actor_cfg.ppo_mini_batch_size * n_per_prompt // world
     # a batch short of a multiple of the mini-batch (flagged rollouts dropped) keeps its number of steps
@@ -106,9 +148,15 @@ def ppo_update(
     metrics.add_all(apply_rollout_correction(batch, rollout_correction, dp_size=world))
 
     def loss_fn(mb: dict, global_batch: GlobalBatch) -> tuple[Tensor, dict[str, float]]:
+        if actor_cfg.use_dynamic_bsz:  # one packed row, log-probs and entropy (n_mb, L): 0 on padding
+            logprobs, entropy = packed_response_terms(train_model, mb, temperature, param_dtype)
+            return actor_loss_terms(logprobs, entropy, mb, actor_cfg, global_batch)
         logits = response_logits(train_model, mb, temperature, param_dtype=param_dtype)  # (n_mb, L, V)
         return actor_loss(logits, mb, actor_cfg, global_batch)
 
+    split = None
+    if actor_cfg.use_dynamic_bsz:
+        split = dynamic_split(batch["attention_mask"].sum(-1).cpu(), actor_cfg.ppo_max_token_len_per_gpu, world)
     if no_sync is None and ddp_model is not None:
         no_sync = ddp_model.no_sync
     ppo_loop(
@@ -125,6 +173,7 @@ def ppo_update(
         prefix="actor",
         error=ACTOR_GRAD_ERROR,
         steps=steps,
+        split=split,
     )
     model.eval()
     out = mean_over_workers(metrics.means(), world)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from stages.algos.losses import at_least_float32
 from stages.train.precision import autocast
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def response_logits(
             use_cache=False,
             logits_to_keep=l_len + 1,
         )
-    return tempered(out.logits[:, :l_len].float(), temperature)  # positions P-1 .. P+L-2: (N, L, V)
+    return tempered(at_least_float32(out.logits[:, :l_len]), temperature)  # positions P-1 .. P+L-2: (N, L, V)
 
 
 def to_device(batch: dict, device: torch.device | str) -> dict:

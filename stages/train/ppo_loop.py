@@ -119,17 +119,19 @@ def ppo_loop(
     prefix: str,
     error: str,
     steps: int | None = None,
+    split: Callable[[Tensor], list[Tensor]] | None = None,
 ) -> None:
     """The optimizer steps of one update over n rollouts (see the module docstring); `steps` per epoch (default
     ceil(n / mini_batch_size); data-parallel ranks pass global_minibatch_count's, so they all take as many).
 
     backward(micro-batches) runs forward/backward of one mini-batch, given as the row indices of each of
-    its micro-batches (micro_batch_size rows, the last one may be smaller), each loss divided by their
-    number; finish_grads() makes the gradients final and returns the global grad norm; then one
+    its micro-batches (micro_batch_size rows, the last one may be smaller; `split(mini)` gives them instead when
+    set: actor.use_dynamic_bsz's token budget, stages.train.packing.split_by_tokens); finish_grads() makes the
+    gradients final and returns the global grad norm; then one
     optimizer_step (error: the message of a non-finite norm, prefix: of the grad_norm and lr metrics)."""
     gen = torch.Generator().manual_seed(seed)
     for mini in minibatches(n, mini_batch_size, epochs, gen, steps):
-        backward(list(mini.split(micro_batch_size)))
+        backward(split(mini) if split is not None else list(mini.split(micro_batch_size)))
         grad_norm = finish_grads()
         optimizer_step(optimizer, scheduler, grad_norm, metrics.add, prefix=prefix, error=error)
 
@@ -223,14 +225,24 @@ def actor_loss(
     logits: Tensor, mb: dict, actor_cfg, global_batch: GlobalBatch | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy loss of one micro-batch from its response logits (n_mb, L, V), already divided by the
-    rollout temperature: policy-gradient loss (actor.policy_loss.loss_mode) - entropy_coeff * entropy
-    (+ kl_loss_coef * KL to the reference policy with actor.use_kl_loss), every term aggregated with
-    actor.loss_agg_mode over `global_batch` (verl >= 0.8; None: the micro-batch is the mini-batch).
+    rollout temperature: actor_loss_terms of their log-probs of mb["responses"] and their entropy."""
+    return actor_loss_terms(
+        gather_logprobs(logits, mb["responses"]), entropy_from_logits(logits), mb, actor_cfg, global_batch
+    )
 
-    mb: responses, response_mask, old_logprobs, advantages (and ref_logprobs, rollout_is_weights), (n_mb, L) each.
+
+def actor_loss_terms(
+    logprobs: Tensor, entropy: Tensor, mb: dict, actor_cfg, global_batch: GlobalBatch | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """The policy loss of one micro-batch from the log-probs of its response tokens and the entropy at each,
+    (n_mb, L) each (any value where response_mask is 0; a packed forward gives 0 there, stages.train.packing):
+    policy-gradient loss (actor.policy_loss.loss_mode) - entropy_coeff * entropy (+ kl_loss_coef * KL to the
+    reference policy with actor.use_kl_loss), every term aggregated with actor.loss_agg_mode over `global_batch`
+    (verl >= 0.8; None: the micro-batch is the mini-batch).
+
+    mb: response_mask, old_logprobs, advantages (and ref_logprobs, rollout_is_weights), (n_mb, L) each.
     Returns (loss, metrics): the policy loss's actor/pg_loss, pg_clipfrac, ... plus actor/entropy
     (and actor/kl_loss); the loss terms are this micro-batch's shares of the mini-batch's values."""
-    logprobs = gather_logprobs(logits, mb["responses"])  # (n_mb, L)
     low, high = clip_bounds(actor_cfg)
     mask, mode = mb["response_mask"], actor_cfg.loss_agg_mode
     agg = {"global_batch": global_batch, "norm_length": actor_cfg.loss_scale_factor}
@@ -246,7 +258,7 @@ def actor_loss(
         rollout_is_weights=mb.get("rollout_is_weights"),
         **agg,
     )
-    entropy = aggregate_loss(entropy_from_logits(logits), mask, mode, **agg)
+    entropy = aggregate_loss(entropy, mask, mode, **agg)
     loss = pg_loss - actor_cfg.entropy_coeff * entropy
     metrics = {**metrics, "actor/entropy": float(entropy.detach())}
     if actor_cfg.use_kl_loss:

@@ -192,18 +192,27 @@ def load_resident(
 
 
 def old_logprob_rows(
-    model, pad_id: int, rows: pd.DataFrame, micro_batch_size: int, temperature: float, param_dtype: str = "float32"
+    model,
+    pad_id: int,
+    rows: pd.DataFrame,
+    micro_batch_size: int,
+    temperature: float,
+    param_dtype: str = "float32",
+    max_token_len: int | None = None,
 ) -> pd.DataFrame:
     """Rows (rollout_id, policy_version, old_logprobs) of `rows`' rollouts in their order: the log-probs of each
     response token under `model` at `temperature`, padded as the update pads (pad_rollouts) and micro-batched
-    by the update's compute_logprobs, at the update's compute dtype param_dtype. Every response token gets one,
+    by the update's compute_logprobs (packed by a token budget with max_token_len: actor.use_dynamic_bsz), at the
+    update's compute dtype param_dtype. Every response token gets one,
     observation tokens of a multi-turn response too: the consumers leave those out through the response mask."""
     out: list[list[float]] = []
     if len(rows):
         responses = [list(map(int, r)) for r in rows["response_token_ids"]]
         batch = pad_rollouts([list(map(int, p)) for p in rows["prompt_token_ids"]], responses, pad_id)
         model.eval()
-        logprobs = compute_logprobs(model, batch, micro_batch_size, temperature, param_dtype=param_dtype)  # (n, L)
+        logprobs = compute_logprobs(
+            model, batch, micro_batch_size, temperature, param_dtype=param_dtype, max_token_len=max_token_len
+        )  # (n, L)
         out = [logprobs[i, : len(r)].tolist() for i, r in enumerate(responses)]
     return pd.DataFrame(
         {
@@ -262,8 +271,15 @@ class ActorWorker(Worker):
                 self.resident = None  # frees a stale policy before the load
                 self.resident = load_resident(policy_dir, actor.optim, self.device, lora=actor.lora)
             model, tok = self.resident.model, self.resident.tokenizer
+        budget = actor.log_prob_max_token_len_per_gpu if actor.use_dynamic_bsz else None
         return old_logprob_rows(
-            model, tok.pad_token_id, rows, actor.ppo_micro_batch_size, temperature, actor.mixed_precision.param_dtype
+            model,
+            tok.pad_token_id,
+            rows,
+            actor.ppo_micro_batch_size,
+            temperature,
+            actor.mixed_precision.param_dtype,
+            budget,
         )
 
     def update(self, req: UpdateRequest) -> dict[str, float]:

@@ -1,0 +1,115 @@
+"""actor.use_dynamic_bsz (stages/train/packing.py): micro-batches by a token budget, packed without padding,
+give the padded path's loss and gradients (fp64 tiny Qwen2, 1e-6) under every loss_agg_mode, and its
+log-probs; the token-budget split itself on hand-derived numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from configs.schema import ActorConfig, TinyModelConfig
+from stages.algos.losses import LOSS_AGG_MODES
+from stages.models.tiny import build_tiny_model
+from stages.train.actor import compute_logprobs, ppo_update
+from stages.train.batching import pad_rollouts
+from stages.train.packing import padding_share, token_budget_micro_batches
+
+V = 40
+PROMPT_LENS = [3, 7, 5, 1, 4, 6]
+RESPONSE_LENS = [4, 0, 6, 2, 5, 1]  # row 1 has no response token: it counts in the seq-mean modes' row count
+
+
+def test_token_budget_split_by_hand() -> None:
+    # 14 tokens at budget 7 -> ceil(14/7) = 2 micro-batches; longest first into the lightest:
+    # 5 (row 0) -> mb0 (5), 4 (row 2) -> mb1 (4), 3 (row 1) -> mb1 (7), 2 (row 3) -> mb0 (7): [[0, 3], [1, 2]]
+    assert token_budget_micro_batches([5, 3, 4, 2], 7) == [[0, 3], [1, 2]]
+    # budget 6 -> ceil(14/6) = 3: 5 (row 0) -> mb0, 4 (row 2) -> mb1, 3 (row 1) -> mb2, 2 (row 3) -> mb2 (5)
+    assert token_budget_micro_batches([5, 3, 4, 2], 6) == [[0], [1, 3], [2]]
+    assert token_budget_micro_batches([5, 3], 8, min_count=2) == [[0], [1]]
+    with pytest.raises(ValueError, match="exceeds the token budget 4"):
+        token_budget_micro_batches([5, 3], 4)
+
+
+def rows(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    responses = [torch.randint(2, V, (n,), generator=g).tolist() for n in RESPONSE_LENS]
+    return {
+        "prompt_token_ids": prompts,
+        "response_token_ids": responses,
+        "advantages": torch.randn(len(prompts), generator=g),
+        "ref_logprobs": [(-torch.rand(n, generator=g) * 3).tolist() for n in RESPONSE_LENS],
+    }
+
+
+def update_delta(mode: str, dynamic: bool) -> tuple[dict, list[torch.Tensor]]:
+    """Metrics and parameter change of one SGD(lr=1) step over the whole batch: the (clipped) gradient."""
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64), V, seed=0).double()
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = ActorConfig(
+        loss_agg_mode=mode,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size=2,
+        use_dynamic_bsz=dynamic,
+        ppo_max_token_len_per_gpu=12,  # 44 tokens, longest 11: ceil(44/12) = 4 or more packed micro-batches
+        log_prob_max_token_len_per_gpu=20,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    metrics = ppo_update(model, opt, sched, rows(), cfg, n_per_prompt=len(PROMPT_LENS), pad_id=0, temperature=0.7)
+    return metrics, [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_packed_update_equals_padded(mode: str) -> None:
+    padded, d_padded = update_delta(mode, dynamic=False)
+    packed, d_packed = update_delta(mode, dynamic=True)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], abs=1e-6, rel=1e-6), key
+    assert padded["actor/grad_norm"] > 1e-3  # the step moved the weights
+    for a, b in zip(d_packed, d_padded, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_logprobs_equal_padded() -> None:
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64), V, seed=1).double().eval()
+    r = rows(1)
+    batch = pad_rollouts(r["prompt_token_ids"], r["response_token_ids"], pad_id=0)
+    padded = compute_logprobs(model, batch, 2, 0.7)  # (N, L)
+    packed = compute_logprobs(model, batch, 2, 0.7, max_token_len=15)
+    mask = batch["response_mask"].double()
+    torch.testing.assert_close(packed * mask, padded * mask, atol=1e-10, rtol=0)
+    assert (packed * (1 - mask)).abs().max() == 0  # padding is 0 in the packed path
+    # padded tokens: 6 rows x (7 + 6) positions = 78, real 26 + 18 = 44 -> 34 / 78 padding
+    assert padding_share(batch["attention_mask"]) == pytest.approx(34 / 78)
+
+
+def test_ref_and_old_logprob_passes_packed(tiny_checkpoint) -> None:
+    """The reference worker and the old_logprobs stage's rows, packed by a token budget, equal their padded
+    micro-batches' (float32: 1e-5)."""
+    import pandas as pd
+
+    from stages.models.policy import load_policy
+    from stages.workers.actor_worker import old_logprob_rows
+    from stages.workers.ref_worker import RefWorker
+
+    r = rows(2)
+    df = pd.DataFrame(
+        {
+            "rollout_id": range(len(PROMPT_LENS)),
+            "policy_version": 0,
+            "prompt_token_ids": r["prompt_token_ids"],
+            "response_token_ids": r["response_token_ids"],
+        }
+    )
+    kw = {"model_dir": str(tiny_checkpoint), "ref_policy_version": 0, "micro_batch_size": 2, "temperature": 0.7}
+    padded = RefWorker(0, 1, 1, **kw).compute_ref_log_prob(df)["ref_logprobs"]
+    packed = RefWorker(0, 1, 1, **kw, max_token_len=16).compute_ref_log_prob(df)["ref_logprobs"]
+    model, tok = load_policy(tiny_checkpoint)
+    old = old_logprob_rows(model, tok.pad_token_id, df, 2, 0.7, max_token_len=16)["old_logprobs"]
+    for a, b, c, n in zip(padded, packed, old, RESPONSE_LENS, strict=True):
+        assert len(a) == len(b) == len(c) == n
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(c), torch.tensor(a), atol=1e-5, rtol=0)
