@@ -17,6 +17,7 @@ import pandas as pd
 from stages.dag import SETUP, STAGES, TABLES
 from stages.io import store
 from stages.io.checkpoints import checkpoint_row
+from stages.io.stage_exec import partition_rows
 from stages.io.tables import PROMPTS_ITERATION
 
 runs = dg.DynamicPartitionsDefinition(name="run")
@@ -161,12 +162,24 @@ def read_recorded(
 
 
 def upstream_version(context, rollout_store, table: str, run_id: str, iteration: int) -> UpstreamVersion:
-    """The version read_recorded would read, without reading the rows when a materialization recorded it
-    (for a stage whose workers read the table themselves, e.g. the policy update)."""
-    version = recorded_version(context.instance, rollout_store.uri(table), table, run_id, iteration)
+    """The version read_recorded would read, without reading any row (for a stage that streams the partition or
+    whose workers read it): the one the upstream asset's latest materialization recorded, else the table's newest
+    (source "newest", with read_recorded's warning). A missing table or partition raises as read_recorded does
+    (the partition's rows counted from the Delta log's file stats)."""
+    uri = rollout_store.uri(table)
+    version = recorded_version(context.instance, uri, table, run_id, iteration)
     if version is not None:
         return UpstreamVersion(version, "dagster")
-    return read_recorded(context, rollout_store, table, run_id, iteration)[1]
+    if not store.table_exists(uri):
+        raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
+    newest = store.table_version(uri)
+    if not partition_rows(uri, run_id, iteration, version=newest):
+        raise store.missing_partition_error(uri, newest, run_id, iteration)
+    context.log.warning(
+        f"no Dagster materialization of '{table}' records a version "
+        f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}"
+    )
+    return UpstreamVersion(newest, "newest")
 
 
 def read_if(

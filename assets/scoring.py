@@ -6,7 +6,6 @@ import numpy as np
 from assets.common import (
     ROLLOUT,
     TRAIN,
-    UpstreamVersion,
     asset_deps,
     check_spec,
     data_version,
@@ -14,15 +13,14 @@ from assets.common import (
     lineage,
     read_if,
     read_recorded,
-    recorded_version,
     run_iterations,
     timed,
+    upstream_version,
     write_table,
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
 from stages.dag import uses_critic, uses_judge, uses_reference
-from stages.io import store
 from stages.judge import combine_judge_scores
 from stages.reward import score_partition, score_rollouts
 from stages.reward_model import combine_rm_scores, reward_model_scores
@@ -83,7 +81,7 @@ def reward_metadata(summary) -> dict:
 def score_streaming(context, cfg, rollout_store: RolloutStoreResource, it: int):
     """(new version, SUMMARY columns): rule/custom rewards on the stage executor (stages/io/stage_exec.py),
     the rollouts partition read at its recorded version batch by batch, ONE commit of scored_rollouts."""
-    version = version_to_read(context, rollout_store, "rollouts", cfg.run_id, it)
+    version = upstream_version(context, rollout_store, "rollouts", cfg.run_id, it)
     run = score_partition(
         cfg.reward,
         rollout_store.uri("rollouts"),
@@ -118,23 +116,6 @@ def score_in_memory(context, cfg, rollout_store: RolloutStoreResource, it: int):
         rollout_store, cfg, "scored_rollouts", scored, it, policy_version=it, upstream=upstream, duration_s=t["s"]
     )
     return v, scored[SUMMARY]
-
-
-def version_to_read(context, rollout_store: RolloutStoreResource, table: str, run_id: str, it: int) -> UpstreamVersion:
-    """The version read_recorded would read (the one the upstream asset's materialization recorded, else the
-    table's newest, with a warning), without reading any row."""
-    uri = rollout_store.uri(table)
-    version = recorded_version(context.instance, uri, table, run_id, it)
-    if version is not None:
-        return UpstreamVersion(version, "dagster")
-    if not store.table_exists(uri):
-        raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
-    newest = store.table_version(uri)
-    context.log.warning(
-        f"no Dagster materialization of '{table}' records a version "
-        f"of '{table}' for run {run_id} iteration {it}: reading its newest version {newest}"
-    )
-    return UpstreamVersion(newest, "newest")
 
 
 @dg.asset(
