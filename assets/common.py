@@ -17,7 +17,7 @@ import pandas as pd
 from stages.dag import SETUP, STAGES, TABLES
 from stages.io import store
 from stages.io.checkpoints import checkpoint_row
-from stages.io.stage_exec import partition_rows
+from stages.io.stage_exec import Partition, partition_rows
 from stages.io.tables import PROMPTS_ITERATION
 
 runs = dg.DynamicPartitionsDefinition(name="run")
@@ -180,6 +180,12 @@ def upstream_version(context, rollout_store, table: str, run_id: str, iteration:
         f"of '{table}' for run {run_id} iteration {iteration}: reading its newest version {newest}"
     )
     return UpstreamVersion(newest, "newest")
+
+
+def upstream_partition(context, rollout_store, table: str, run_id: str, iteration: int) -> Partition:
+    """The partition read_recorded would read, as a handle a stage streams (its version: upstream_version's)."""
+    version = upstream_version(context, rollout_store, table, run_id, iteration)
+    return Partition(rollout_store.uri(table), run_id, iteration, version)
 
 
 def read_if(

@@ -18,6 +18,7 @@ from assets.common import (
     run_iterations,
     timed,
     train_prompt_count,
+    upstream_partition,
     upstream_version,
     write_table,
 )
@@ -136,8 +137,8 @@ def iteration_metrics(
 ) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
     cfg, it = run_config.load(), iteration_of(context)
-    scored, s_v = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
-    adv, a_v = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
+    scored = upstream_partition(context, rollout_store, "scored_rollouts", cfg.run_id, it)  # streamed: no rows here
+    adv = upstream_partition(context, rollout_store, "advantages", cfg.run_id, it)
     values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
     new_dir = ms.require(it + 1, needed_by="iteration_metrics")
@@ -145,7 +146,7 @@ def iteration_metrics(
     critic = checkpoint_metrics(rollout_store, cfg.run_id, it, "critic", it + 1)[0] if values is not None else None
     timings = stage_timings(rollout_store, cfg.run_id, it)
     m = compute_iteration_metrics(
-        cfg, scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
+        scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
     )
     last = it + 1 == cfg.trainer.total_training_steps
     val, val_metrics = validation(context, cfg, rollout_store, ms, ray, it, new_dir)
@@ -153,7 +154,7 @@ def iteration_metrics(
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
     tracker.log_metrics(mlflow_id, m, step=it + 1)
     rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
-    read_versions = {"scored_rollouts": s_v, "advantages": a_v, "checkpoints": c_v}
+    read_versions = {"scored_rollouts": scored.version, "advantages": adv.version, "checkpoints": c_v}
     v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=read_versions)
     tracker.log_iteration(
         mlflow_id, rollout_store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val

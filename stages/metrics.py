@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import torch
 
 from configs.schema import RunConfig
+from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.algos.val_metrics import process_validation_metrics, val_metric_names
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
+from stages.io.stage_exec import Partition
 from stages.old_logprobs import probs_gap
-from stages.train.batching import row_masks
+from stages.train.batching import is_null, loss_mask, ragged_to_padded, row_masks
 from stages.train.critic import critic_metrics
 
 
@@ -27,47 +30,94 @@ def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     }
 
 
+SCORED_COLUMNS = (
+    "group_id",
+    "reward",
+    "response_length",
+    "prompt_token_ids",
+    "finish_reason",
+    "is_baseline",
+    "response_mask",
+    "turns",
+    "gen_round",
+    "overlong_penalty",
+    "rm_score",
+    "judge_score",
+    "judge_error",
+    "score",
+)
+"""The scored_rollouts columns rollout_metrics reads; the list columns among them are reduced per batch (row_counts)."""
+
+ADVANTAGE_SCALARS = ("group_id", "advantage", "kl_coef", "reward_kl")
+PROBS_COLUMNS = ("old_logprobs", "rollout_logprobs", "response_token_ids", "response_mask")
+"""The advantages columns rollout_metrics reads: per-row scalars, and the token columns of the probability gap."""
+
+
+def row_counts(scored: pd.DataFrame) -> pd.DataFrame:
+    """Scored rollouts with their list columns reduced to what the metrics count: prompt_token_ids to
+    prompt_length, response_mask to model_tokens (+ has_mask), turns to num_turns / tool_calls / tool_errors
+    (+ has_turns); scalar columns as they are. Row-wise, so a partition's batches reduce one at a time."""
+    out = scored[[c for c in SCORED_COLUMNS if c in scored and c not in LIST_COLUMNS]].copy()
+    out["prompt_length"] = scored["prompt_token_ids"].map(len).to_numpy(dtype=np.int64)
+    if "response_mask" in scored:
+        masks = [None if is_null(m) else [int(v) for v in m] for m in scored["response_mask"]]
+        lengths = scored["response_length"].to_numpy()
+        out["model_tokens"] = [int(n) if k is None else sum(k) for n, k in zip(lengths, masks, strict=True)]
+        out["has_mask"] = [k is not None for k in masks]
+    if "turns" in scored:
+        turns = [list(t) if t is not None else [] for t in scored["turns"]]
+        tools = [[dict(x) for x in t if dict(x)["role"] == "tool"] for t in turns]
+        out["num_turns"] = np.array([len(t) for t in turns], dtype=np.int64)
+        out["tool_calls"] = np.array([len(t) for t in tools], dtype=np.int64)
+        out["tool_errors"] = np.array([sum(x["error"] is not None for x in t) for t in tools], dtype=np.int64)
+    return out
+
+
+LIST_COLUMNS = ("prompt_token_ids", "response_mask", "turns")
+
+
 def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response_length: int) -> dict[str, float]:
-    """Over the training samples only; ReMax's greedy baseline rows give remax/baseline_reward/mean."""
-    scored, baselines = split_baseline_rows(scored)
-    lengths = scored["response_length"].to_numpy()
+    """Over the training samples only; ReMax's greedy baseline rows give remax/baseline_reward/mean. Whole frames
+    (tests, callers holding them); the iteration_metrics stage streams its partitions (streamed_rollout_metrics)."""
+    return rollout_row_metrics(row_counts(scored), advantages) | probs_diff_metrics(scored, advantages)
+
+
+def rollout_row_metrics(rows: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
+    """rollout_metrics but the probability gap, from per-row values: row_counts of the scored rollouts and the
+    advantages' ADVANTAGE_SCALARS."""
+    rows, baselines = split_baseline_rows(rows)
+    lengths = rows["response_length"].to_numpy()
     m = {
-        **_stats("critic/score", scored["reward"]),
-        **_stats("critic/rewards", scored["reward"]),
+        **_stats("critic/score", rows["reward"]),
+        **_stats("critic/rewards", rows["reward"]),
         **_stats("critic/advantages", advantages["advantage"]),
         **_stats("response_length", lengths),
-        **_stats("prompt_length", scored["prompt_token_ids"].map(len)),
+        **_stats("prompt_length", rows["prompt_length"]),
     }
-    m["response_length/clip_ratio"] = float((scored["finish_reason"] == "length").mean())
-    m["reward/flagged"] = float((~np.isfinite(scored["reward"].to_numpy(dtype=np.float64))).sum())  # on_error=flag
-    masks = row_masks(scored.get("response_mask"))  # multi-turn: response_length counts observation tokens too
-    if masks is not None:
-        model_tokens = [int(n) if k is None else sum(k) for n, k in zip(lengths, masks, strict=True)]
-        m["response_length/model_tokens_mean"] = float(np.mean(model_tokens))
-    m |= multi_turn_metrics(scored)
-    groups = scored.groupby("group_id")["reward"]
+    m["response_length/clip_ratio"] = float((rows["finish_reason"] == "length").mean())
+    m["reward/flagged"] = float((~np.isfinite(rows["reward"].to_numpy(dtype=np.float64))).sum())  # on_error=flag
+    if "has_mask" in rows and rows["has_mask"].any():  # multi-turn: response_length counts observation tokens too
+        m["response_length/model_tokens_mean"] = float(np.mean(rows["model_tokens"].to_numpy()))
+    m |= multi_turn_metrics(rows)
+    groups = rows.groupby("group_id")["reward"]
     m["critic/score/group_all_equal_frac"] = float((groups.nunique() == 1).mean())
     if len(baselines):
         m["remax/baseline_reward/mean"] = float(baselines["reward"].mean())
-    return m | algorithm_metrics(scored, advantages)
+    return m | row_algorithm_metrics(rows, advantages)
 
 
-def multi_turn_metrics(scored: pd.DataFrame) -> dict[str, float]:
-    """Multi-turn rollouts (their `turns` column): num_turns/{mean,max,min} (verl's, assistant and tool turns),
-    multi_turn/tool_call_rate (rollouts with a tool call), multi_turn/tool_calls/mean (observations per rollout),
-    multi_turn/tool_error_rate (observations with an error). Nothing for single-turn rollouts."""
-    if "turns" not in scored or not scored["turns"].map(lambda t: t is not None and len(t) > 0).any():
+def multi_turn_metrics(rows: pd.DataFrame) -> dict[str, float]:
+    """Multi-turn rollouts (row_counts of their `turns` column): num_turns/{mean,max,min} (verl's, assistant and
+    tool turns), multi_turn/tool_call_rate (rollouts with a tool call), multi_turn/tool_calls/mean (observations
+    per rollout), multi_turn/tool_error_rate (observations with an error). Nothing for single-turn rollouts."""
+    if "num_turns" not in rows or not (rows["num_turns"] > 0).any():
         return {}
-    turns = [list(t) if t is not None else [] for t in scored["turns"]]
-    tools = [[dict(x) for x in t if dict(x)["role"] == "tool"] for t in turns]
-    observations = [x for t in tools for x in t]
+    calls, observations = rows["tool_calls"].to_numpy(), int(rows["tool_calls"].sum())
     return {
-        **_stats("num_turns", np.array([len(t) for t in turns])),
-        "multi_turn/tool_call_rate": float(np.mean([len(t) > 0 for t in tools])),
-        "multi_turn/tool_calls/mean": float(np.mean([len(t) for t in tools])),
-        "multi_turn/tool_error_rate": float(np.mean([x["error"] is not None for x in observations]))
-        if observations
-        else 0.0,
+        **_stats("num_turns", rows["num_turns"].to_numpy()),
+        "multi_turn/tool_call_rate": float(np.mean(calls > 0)),
+        "multi_turn/tool_calls/mean": float(np.mean(calls)),
+        "multi_turn/tool_error_rate": float(rows["tool_errors"].sum() / observations) if observations else 0.0,
     }
 
 
@@ -75,6 +125,11 @@ def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[st
     """KL-in-reward (actor/reward_kl_penalty[_coeff], verl), DAPO dynamic sampling (train/num_gen_batches, verl;
     generated vs kept groups), overlong shaping and rollout-vs-actor probability gap (training/rollout_probs_*,
     verl) metrics, from the columns the stages stored."""
+    return row_algorithm_metrics(scored, advantages) | probs_diff_metrics(scored, advantages)
+
+
+def row_algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
+    """algorithm_metrics but the probability gap: from per-row columns only."""
     m: dict[str, float] = {}
     if "kl_coef" in advantages and np.isfinite(advantages["kl_coef"].to_numpy(dtype=np.float64)).all():
         m["actor/reward_kl_penalty"] = float(advantages["reward_kl"].mean())
@@ -87,7 +142,7 @@ def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[st
         penalty = scored["overlong_penalty"].to_numpy(dtype=np.float64)
         m["reward/overlong_penalty/mean"] = float(penalty.mean())
         m["reward/overlong_penalized_frac"] = float((penalty < 0).mean())
-    return m | model_reward_metrics(scored) | probs_diff_metrics(scored, advantages)
+    return m | model_reward_metrics(scored)
 
 
 def model_reward_metrics(scored: pd.DataFrame) -> dict[str, float]:
@@ -109,15 +164,93 @@ def model_reward_metrics(scored: pd.DataFrame) -> dict[str, float]:
 def probs_diff_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
     """verl's training/rollout_probs_diff_{valid,max,mean,std} and training/rollout_actor_probs_pearson_corr
     (stages.algos.probs_diff) over the training rollouts' response tokens: the actor's old_logprobs stored in
-    the advantages table vs the engine's rollout_logprobs. Empty when the table holds no old log-probs."""
-    if "old_logprobs" not in advantages or "rollout_logprobs" not in scored:
-        return {}
-    old = [[] if x is None else list(x) for x in advantages["old_logprobs"]]
-    if [len(x) for x in old] != advantages["response_token_ids"].map(len).tolist():
-        return {}  # an advantages table without them (written by an older rlake)
-    engine = scored.set_index("rollout_id").loc[advantages["rollout_id"], "rollout_logprobs"].tolist()
-    metrics, _, _ = probs_gap(old, engine, row_masks(advantages.get("response_mask")))  # model tokens only
-    return metrics
+    the advantages table vs the engine's rollout_logprobs (the advantages table keeps the scored row's, row by
+    row). Empty when the tables hold no old or engine log-probs."""
+    gap = ProbsGap("rollout_logprobs" in scored)
+    gap.add(advantages)
+    return gap.metrics()
+
+
+class ProbsGap:
+    """probs_diff_metrics over an advantages partition read batch by batch: each batch's counted tokens reduce to
+    (count, max, means, centred sums of squares and products of the gap and of the two probabilities), merged
+    pairwise (Chan et al.), so the mean, unbiased std and Pearson correlation are those of all tokens at once (to
+    rounding); a partition whose tokens all lie in one batch gets that batch's probs_gap exactly."""
+
+    def __init__(self, engine: bool = True) -> None:
+        self.usable = engine  # False: no engine log-probs, or an advantages table without them (an older rlake)
+        self.stats: list[np.ndarray] = []  # per batch with counted tokens: n, max, mean_d, m2_d, mx, my, cxx, cyy, cxy
+        self.first: dict[str, float] = {}  # probs_gap's metrics of the first such batch
+        self.empty: dict[str, float] = {}  # probs_gap's metrics of a batch without counted tokens
+
+    def add(self, advantages: pd.DataFrame) -> None:
+        """Fold in a batch of advantages rows (PROBS_COLUMNS)."""
+        if not self.usable or "old_logprobs" not in advantages or "rollout_logprobs" not in advantages:
+            self.usable = False
+            return
+        old = [[] if x is None else list(x) for x in advantages["old_logprobs"]]
+        if [len(x) for x in old] != advantages["response_token_ids"].map(len).tolist():
+            self.usable = False  # an advantages table without them (written by an older rlake)
+            return
+        engine = [[] if x is None else list(x) for x in advantages["rollout_logprobs"]]
+        masks = row_masks(advantages.get("response_mask"))  # model tokens only
+        metrics, _, _ = probs_gap(old, engine, masks)
+        x, y = counted_probs(old, engine, masks)
+        if not x.numel():
+            self.empty = metrics
+            return
+        self.first = self.first or metrics
+        d = (x - y).abs()
+        mx, my, md = x.mean(), y.mean(), d.mean()
+        sums = [((d - md) ** 2).sum(), ((x - mx) ** 2).sum(), ((y - my) ** 2).sum(), ((x - mx) * (y - my)).sum()]
+        values = [x.numel(), d.max(), md, sums[0], mx, my, *sums[1:]]
+        self.stats.append(np.array([float(v) for v in values], dtype=np.float64))
+
+    def metrics(self) -> dict[str, float]:
+        """The five metrics over every batch added ({} when unusable)."""
+        if not self.usable or not (self.stats or self.empty):
+            return {}
+        if len(self.stats) <= 1:
+            return self.first or self.empty
+        n, top, md, m2d, mx, my, cxx, cyy, cxy = reduce_stats(self.stats)
+        std = float(np.sqrt(m2d / (n - 1)))
+        pearson = float(cxy / np.sqrt(cxx * cyy)) if cxx * cyy > 0 else float("nan")
+        return dict(zip(PROBS_DIFF_KEYS, (1.0, float(top), float(md), std, pearson), strict=True))
+
+
+def counted_probs(old: list[list[float]], engine: list[list[float]], masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """((K,), (K,)) float64: exp(old_logprobs) and exp(rollout_logprobs) of the K tokens probs_gap counts."""
+    width = max(1, max((len(x) for x in engine), default=1))
+    mask = loss_mask([len(x) for x in engine], width, masks).bool()  # (N, L)
+    old_p = ragged_to_padded(old, width).double().exp()  # (N, L)
+    return old_p[mask], ragged_to_padded(engine, width).double().exp()[mask]
+
+
+def reduce_stats(stats: list[np.ndarray]) -> np.ndarray:
+    """Merge per-batch (n, max, mean_d, m2_d, mean_x, mean_y, c_xx, c_yy, c_xy) into those of all the tokens."""
+    n, top, md, m2d, mx, my, cxx, cyy, cxy = stats[0]
+    for b in stats[1:]:
+        nb, total = b[0], n + b[0]
+        dd, dx, dy = b[2] - md, b[4] - mx, b[5] - my
+        w = n * nb / total
+        m2d, cxx = m2d + b[3] + dd * dd * w, cxx + b[6] + dx * dx * w
+        cyy, cxy = cyy + b[7] + dy * dy * w, cxy + b[8] + dx * dy * w
+        md, mx, my = md + dd * nb / total, mx + dx * nb / total, my + dy * nb / total
+        n, top = total, max(top, b[1])
+    return np.array([n, top, md, m2d, mx, my, cxx, cyy, cxy])
+
+
+def streamed_rollout_metrics(scored: Partition, advantages: Partition, *, batch_rows: int | None = None) -> dict:
+    """rollout_metrics of two table partitions at their recorded versions, read batch by batch and only the columns
+    it needs (stage_exec.iter_partition_batches): the list columns are reduced per batch (row_counts, ProbsGap), so
+    what stays is a few numbers per row, never a token column of the partition."""
+    rows = [row_counts(b) for b in scored.batches(list(SCORED_COLUMNS), batch_rows)]
+    gap, adv = ProbsGap(), []  # scored_rollouts tables always hold rollout_logprobs (tables.ROLLOUT_FIELDS)
+    for batch in advantages.batches([*ADVANTAGE_SCALARS, *PROBS_COLUMNS], batch_rows):
+        adv.append(batch[[c for c in ADVANTAGE_SCALARS if c in batch]])
+        gap.add(batch)
+    m = rollout_row_metrics(pd.concat(rows, ignore_index=True), pd.concat(adv, ignore_index=True))
+    return m | gap.metrics()
 
 
 def validation_metrics(scored: pd.DataFrame) -> dict[str, float]:
@@ -133,24 +266,29 @@ def validation_metrics(scored: pd.DataFrame) -> dict[str, float]:
     return val_metric_names(nested)
 
 
+CRITIC_COLUMNS = ["rollout_id", "response_token_ids", "response_mask", "returns", "token_advantages"]
+"""The advantages columns the critic's data metrics read (critic_data_metrics, PPO with GAE only)."""
+
+
 def iteration_metrics(
-    cfg: RunConfig,
-    scored: pd.DataFrame,
-    advantages: pd.DataFrame,
+    scored: Partition,
+    advantages: Partition,
     *,
     update_metrics: dict[str, float],
     timings: dict[str, float],
     values: pd.DataFrame | None = None,
     critic_update_metrics: dict[str, float] | None = None,
+    batch_rows: int | None = None,
 ) -> dict[str, float]:
-    """The `iteration_metrics` stage: rollout and algorithm metrics, the policy update's metrics (returned by the
-    update through Ray and recorded in the new checkpoint's `checkpoints` table row), the stages' timings and
-    timing_s/step, and with a critic (values, critic_update_metrics) its metrics. Validation is added by the
-    caller when validates(cfg, iteration)."""
-    m = rollout_metrics(scored, advantages, cfg.data.max_response_length)
+    """The `iteration_metrics` stage: rollout and algorithm metrics of the scored_rollouts and advantages partitions
+    (streamed: streamed_rollout_metrics), the policy update's metrics (returned by the update through Ray and
+    recorded in the new checkpoint's `checkpoints` table row), the stages' timings and timing_s/step, and with a
+    critic (values, critic_update_metrics) its metrics. Validation is added by the caller when validates(cfg,
+    iteration)."""
+    m = streamed_rollout_metrics(scored, advantages, batch_rows=batch_rows)
     m |= dict(update_metrics) | timings
     if values is not None and critic_update_metrics is not None:  # PPO with a critic: critic/vf_loss, ...
-        m |= critic_metrics(advantages, values, critic_update_metrics)
+        m |= critic_metrics(advantages.read(CRITIC_COLUMNS), values, critic_update_metrics)
     m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
     return m
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
@@ -83,17 +84,69 @@ def iter_partition_batches(
     storage_options: Options = None,
 ) -> Iterator[pd.DataFrame]:
     """The partition's rows at `version`, `batch_rows` at a time (None: BATCH_ROWS) as pandas, without the
-    partition columns; one batch in memory at a time. Each file is read through a READ_BUFFER stream, page by
-    page (pyarrow's ParquetFile, no pre-buffering): a dataset scanner decodes a whole row group first, and a
-    driver-written partition is ONE row group, so its peak grew with the partition (reading 20k rollouts of 256
-    tokens, 1000-row batches, against 1k: +270 MB with a scanner, +55 MB unbuffered, +27 MB buffered)."""
+    partition columns; `columns` projects (those the table lacks are left out, those a file lacks come as nulls,
+    as in a whole-partition read); one batch in memory at a time. Each file is read through a READ_BUFFER
+    stream, page by page (pyarrow's ParquetFile, no pre-buffering): a dataset scanner decodes a whole row group
+    first, and a driver-written partition is ONE row group, so its peak grew with the partition (reading 20k
+    rollouts of 256 tokens, 1000-row batches, against 1k: +270 MB with a scanner, +55 MB unbuffered, +27 MB
+    buffered)."""
     ds = _dataset(uri, run_id, iteration, version, storage_options)
     for fragment in ds.get_fragments():
         with ds.filesystem.open_input_file(fragment.path) as f:
             reader = pq.ParquetFile(f, pre_buffer=False, buffer_size=READ_BUFFER)
-            for batch in reader.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=columns, use_threads=False):
+            wanted = _columns_of(ds.schema, reader.schema_arrow, columns)
+            have = [c for c in wanted if c in reader.schema_arrow.names]
+            for batch in reader.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=have, use_threads=False):
                 if batch.num_rows:
-                    yield batch.to_pandas()
+                    yield _with_nulls(batch, ds.schema, wanted).to_pandas()
+
+
+def _columns_of(table: pa.Schema, file: pa.Schema, columns: list[str] | None) -> list[str]:
+    """The columns a batch of one file holds, as a whole-partition read (DeltaTable.to_pandas) would have them:
+    `columns` the table has (None: the file's), plus the table's columns an older file lacks when `columns` asks."""
+    if columns is None:
+        return list(file.names)
+    return [c for c in columns if c in table.names and c not in dataset_io.KEYS]
+
+
+def _with_nulls(batch: pa.RecordBatch, table: pa.Schema, wanted: list[str]) -> pa.RecordBatch:
+    """`batch` with the `wanted` columns in that order, those its file lacks (written before the table's schema
+    gained them) as nulls of the table's type, as the Delta reader fills them."""
+    if batch.schema.names == wanted:
+        return batch
+    arrays = [
+        batch.column(c) if c in batch.schema.names else pa.nulls(batch.num_rows, table.field(c).type) for c in wanted
+    ]
+    return pa.RecordBatch.from_arrays(arrays, names=wanted)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Partition (run_id, iteration) of the table at `uri` as of `version` (None: newest): what a stage reads."""
+
+    uri: str
+    run_id: str
+    iteration: int
+    version: int | None
+    storage_options: Options = None
+
+    def batches(self, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator[pd.DataFrame]:
+        """iter_partition_batches of this partition."""
+        return iter_partition_batches(
+            self.uri,
+            self.run_id,
+            self.iteration,
+            version=self.version,
+            columns=columns,
+            batch_rows=batch_rows,
+            storage_options=self.storage_options,
+        )
+
+    def read(self, columns: list[str]) -> pd.DataFrame:
+        """read_columns of this partition."""
+        return read_columns(
+            self.uri, self.run_id, self.iteration, columns, version=self.version, storage_options=self.storage_options
+        )
 
 
 def read_columns(

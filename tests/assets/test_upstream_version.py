@@ -8,7 +8,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from assets.common import read_recorded, upstream_version
+from assets.common import read_recorded, upstream_partition, upstream_version
 from assets.resources import RolloutStoreResource
 from stages.io import store
 
@@ -28,6 +28,8 @@ def test_upstream_version_falls_back_to_the_newest_version_without_reading_rows(
     version = upstream_version(context, rollout_store, "iteration_metrics", RUN, 0)
     assert (version, version.source) == (1, "newest")
     assert read_recorded(context, rollout_store, "iteration_metrics", RUN, 0)[1] == version  # what it would read
+    partition = upstream_partition(context, rollout_store, "iteration_metrics", RUN, 1)
+    assert (partition.version, partition.iteration, next(partition.batches())["metric"].tolist()) == (1, 1, ["a"])
     with pytest.raises(LookupError) as missing:
         upstream_version(context, rollout_store, "iteration_metrics", RUN, 2)
     with pytest.raises(LookupError) as read:

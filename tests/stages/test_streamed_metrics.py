@@ -1,0 +1,120 @@
+"""The iteration_metrics stage streams its partitions (#36): metrics from batches of only the columns it needs
+equal those of the whole-frame computation on the same Delta partitions. Real Delta tables under tmp_path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stages.algos.probs_diff import PROBS_DIFF_KEYS
+from stages.io import store
+from stages.io.stage_exec import Partition, iter_partition_batches
+from stages.metrics import iteration_metrics, rollout_metrics
+
+RUN = "m"
+
+
+def _turns(k: int, error: bool) -> list[dict]:
+    tool = {"turn_index": 1, "role": "tool", "token_start": 1, "token_end": k, "error": "timeout" if error else None}
+    return [{"turn_index": 0, "role": "assistant", "token_start": 0, "token_end": 1, "error": None}, tool]
+
+
+def _scored(n: int, rng: np.random.Generator) -> pd.DataFrame:
+    """n scored rollouts in groups of 8 with every column the metrics read: flagged (NaN) and all-equal groups,
+    ReMax baselines, multi-turn masks and turns, length cut-offs, two generation rounds, model scores."""
+    lengths = rng.integers(1, 12, n)
+    reward = rng.integers(0, 2, n).astype(np.float64)
+    reward[:8], reward[9] = 1.0, np.nan
+    multi = np.arange(n) % 5 == 0
+    return pd.DataFrame(
+        {
+            **{"rollout_id": np.arange(n), "group_id": np.arange(n) // 8, "prompt_id": np.arange(n) // 8},
+            "sample_index": np.arange(n) % 8,
+            "policy_version": 0,
+            "prompt_token_ids": [list(range(k)) for k in rng.integers(2, 9, n)],
+            "response_token_ids": [list(range(k)) for k in lengths],
+            "rollout_logprobs": [list(-rng.exponential(0.5, k)) for k in lengths],
+            "response_mask": [[1] + [0] * (k - 1) if m else None for k, m in zip(lengths, multi, strict=True)],
+            "turns": [
+                _turns(k, i % 2 == 0) if m else None for i, (k, m) in enumerate(zip(lengths, multi, strict=True))
+            ],
+            "response_length": lengths.astype(np.int32),
+            "finish_reason": np.where(rng.random(n) < 0.3, "length", "stop"),
+            "is_baseline": np.arange(n) % 8 == 7,
+            "gen_round": (np.arange(n) >= n // 2).astype(np.int32),
+            **{"data_source": "openai/gsm8k", "ground_truth": "1", "response_text": "#### 1", "prompt_text": "q"},
+            **{"engine": "hf", "engine_sync": "build", "engine_weights_fingerprint": "x", "reward_fn": "gsm8k"},
+            "reward": reward,
+            "score": reward,
+            "overlong_penalty": -rng.random(n) * (rng.random(n) < 0.2),
+            "rm_score": rng.normal(size=n),
+            "judge_score": np.where(rng.random(n) < 0.5, rng.random(n), np.nan),
+            "judge_error": [None if i % 3 else "unparsed" for i in range(n)],
+            "reward_error": None,
+        }
+    )
+
+
+def _advantages(scored: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
+    """The training rows (finite reward, no baseline) in another order, with old log-probs near the engine's."""
+    rows = scored[np.isfinite(scored["reward"]) & ~scored["is_baseline"]].sample(frac=1.0, random_state=1)
+    old = [list(np.asarray(x) + rng.normal(0, 0.05, len(x))) for x in rows["rollout_logprobs"]]
+    return rows[["rollout_id", "group_id", "policy_version", "prompt_token_ids", "response_token_ids"]].assign(
+        response_mask=rows["response_mask"].to_numpy(),
+        rollout_logprobs=rows["rollout_logprobs"].to_numpy(),
+        reward=rows["reward"].to_numpy(),
+        advantage=rng.normal(size=len(rows)),
+        token_advantages=[[0.5] * len(x) for x in rows["response_token_ids"]],
+        adv_estimator="grpo",
+        old_logprobs=old,
+        kl_coef=0.01,
+        reward_kl=rng.random(len(rows)),
+    )
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory) -> dict[str, str]:
+    root, rng = tmp_path_factory.mktemp("lake"), np.random.default_rng(0)
+    scored = _scored(64, rng)
+    uris = {t: str(root / t) for t in ("scored_rollouts", "advantages")}
+    store.write_partition(uris["scored_rollouts"], "scored_rollouts", scored, run_id=RUN, iteration=0, lineage={})
+    adv = _advantages(scored, rng)
+    store.write_partition(uris["advantages"], "advantages", adv, run_id=RUN, iteration=0, lineage={})
+    return uris
+
+
+def _same(a: dict, b: dict, rel: float = 0.0) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        both_nan = math.isnan(a[k]) and math.isnan(b[k])
+        assert both_nan or a[k] == pytest.approx(b[k], rel=rel, abs=0), k
+
+
+@pytest.mark.parametrize("batch_rows", [None, 7])
+def test_streamed_metrics_equal_the_whole_frame(lake, batch_rows) -> None:
+    whole = rollout_metrics(
+        store.read_partition(lake["scored_rollouts"], RUN, 0), store.read_partition(lake["advantages"], RUN, 0), 16
+    )
+    assert {"multi_turn/tool_error_rate", "response_length/model_tokens_mean", *PROBS_DIFF_KEYS} <= set(whole)
+    scored, adv = (Partition(lake[t], RUN, 0, 0) for t in ("scored_rollouts", "advantages"))
+    streamed = iteration_metrics(scored, adv, update_metrics={}, timings={}, batch_rows=batch_rows)
+    del streamed["timing_s/step"]
+    per_row = {k: v for k, v in whole.items() if k not in PROBS_DIFF_KEYS}
+    _same(per_row, {k: v for k, v in streamed.items() if k not in PROBS_DIFF_KEYS})  # the same numbers per row
+    gap = {k: streamed[k] for k in PROBS_DIFF_KEYS}  # token sums merged across batches: equal to rounding
+    _same({k: whole[k] for k in PROBS_DIFF_KEYS}, gap, rel=0.0 if batch_rows is None else 1e-9)
+
+
+def test_batches_fill_columns_older_files_lack(tmp_path) -> None:
+    """A column the table gained after a partition was written comes back null, as a whole read has it."""
+    uri, rng = str(tmp_path / "scored_rollouts"), np.random.default_rng(1)
+    old = _scored(16, rng)
+    store.write_partition(uri, "scored_rollouts", old, run_id=RUN, iteration=0, lineage={})
+    new = _scored(16, rng).assign(reward_extra_keys=[["acc"]] * 16, acc=1.0)  # a custom reward's extra key
+    store.write_partition(uri, "scored_rollouts", new, run_id=RUN, iteration=1, lineage={})
+    (batch,) = iter_partition_batches(uri, RUN, 0, columns=["reward", "acc", "no_such_column"])
+    assert list(batch.columns) == ["reward", "acc"] and batch["acc"].isna().all()
+    assert batch["reward"].equals(store.read_partition(uri, RUN, 0)["reward"])
