@@ -20,7 +20,7 @@ from assets.common import (
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.advantage import iteration_advantages, uses_adaptive_kl
-from stages.dag import uses_critic, uses_judge, uses_reference
+from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
 from stages.judge import combine_judge_scores
 from stages.reward import score_partition, score_rollouts
 from stages.reward_model import combine_rm_scores, reward_model_scores
@@ -133,18 +133,22 @@ def advantages(
     scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
     values, values_version = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
     ref, ref_version = read_if(uses_reference(cfg), context, rollout_store, "ref_logprobs", cfg.run_id, it)
+    teacher, teacher_version = read_if(uses_teacher(cfg), context, rollout_store, "teacher_logprobs", cfg.run_id, it)
     old, old_version = read_recorded(context, rollout_store, "old_logprobs", cfg.run_id, it)
     # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
     adaptive = uses_adaptive_kl(cfg) and it > 0
     prev, prev_version = read_if(adaptive, context, rollout_store, "advantages", cfg.run_id, it - 1)
     with timed() as t:
-        adv, dropped = iteration_advantages(cfg, scored, values=values, ref=ref, previous=prev, old=old)
+        adv, dropped = iteration_advantages(
+            cfg, scored, values=values, ref=ref, previous=prev, old=old, teacher=teacher
+        )
     if dropped:
         context.log.info(f"dropped {dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
     read_versions = {
         "scored_rollouts": version,
         "values": values_version,
         "ref_logprobs": ref_version,
+        "teacher_logprobs": teacher_version,
         "old_logprobs": old_version,
         "advantages": prev_version,
     }
@@ -160,6 +164,7 @@ def advantages(
             "zero_advantage_frac": float((adv["advantage"] == 0).mean()),
             "kept_groups": int(adv["group_id"].nunique()),
             "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0,
+            "teacher_kl_mean": float(adv["teacher_kl"].mean()) if uses_teacher(cfg) else 0.0,
         },
         data_version=data_version("advantages", v),
         check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)],

@@ -522,6 +522,48 @@ class RolloutCorrectionConfig(_Strict):
         return self
 
 
+class DistillationConfig(_Strict):
+    """On-policy distillation (docs/algorithms.md): a teacher on its own "teacher" worker group scores every
+    rollout's sampled tokens (the teacher_logprobs table), and each token's advantage gains
+    -kl_penalty_coef * (log pi_student - log pi_teacher), tinker-cookbook's on-policy distillation and verl's
+    distillation with use_policy_gradient and loss_mode k1 (stages/algos/distill.py)."""
+
+    enable: bool = False
+    """Run the teacher_logprobs stage and add the per-token reverse-KL advantage."""
+    teacher_model_path: str | None = None
+    """Local HF checkpoint directory of the teacher (config.json + tokenizer), e.g. another run's
+    checkpoints/<run>/policy_v<N>; it must use the student's tokenizer (same vocabulary). Required with enable."""
+    kl_penalty_coef: float = 1.0
+    """Weight of the distillation advantage (tinker-cookbook's kl_penalty_coef)."""
+    use_task_rewards: bool = True
+    """true: the task reward's advantages plus the distillation term (mixed); false: distillation alone (verl)."""
+    loss_max_clamp: float | None = 10.0
+    """|log pi_student - log pi_teacher| is clamped to it per token (verl's default 10); null: no clamp."""
+    num_workers: int = 1
+    """Teacher workers (RefWorkers of the "teacher" group, placed as the reference model's)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillationConfig:
+        if self.enable and not self.teacher_model_path:
+            raise ValueError(
+                "algorithm.distillation.enable=true needs algorithm.distillation.teacher_model_path, because the "
+                "teacher is loaded from a local checkpoint directory; set teacher_model_path=<dir with config.json> "
+                "(e.g. a finished run's checkpoints/<run>/policy_v<N>) or algorithm.distillation.enable=false."
+            )
+        if self.enable and (self.kl_penalty_coef <= 0 or self.num_workers < 1):
+            raise ValueError(
+                f"algorithm.distillation.kl_penalty_coef ({self.kl_penalty_coef}) must be > 0 and num_workers "
+                f"({self.num_workers}) >= 1, because the teacher's signal is the advantage times the coefficient; "
+                "raise them, or set algorithm.distillation.enable=false."
+            )
+        if self.loss_max_clamp is not None and self.loss_max_clamp <= 0:
+            raise ValueError(
+                f"algorithm.distillation.loss_max_clamp ({self.loss_max_clamp}) must be > 0 or null, because it "
+                "bounds |log-ratio| per token; use verl's 10.0 or null for no clamp."
+            )
+        return self
+
+
 class AlgorithmConfig(_Strict):
     adv_estimator: Literal[
         "grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax"
@@ -561,6 +603,8 @@ class AlgorithmConfig(_Strict):
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Engine-vs-trainer importance weights and rejection sampling in the policy loss (verl's names)."""
+    distillation: DistillationConfig = DistillationConfig()
+    """On-policy distillation from a teacher model, alone or mixed with the task reward."""
 
 
 class OverlongBufferConfig(_Strict):
@@ -828,7 +872,7 @@ class TrainerConfig(_Strict):
         return self
 
 
-RAY_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "judge")
+RAY_ROLES = ("actor", "rollout", "ref", "teacher", "critic", "reward_model", "judge")
 """The worker groups a run places (stages/workers/*_worker.py); ray.resources_per_worker is keyed by them."""
 CREDENTIAL_KEY = re.compile(r"secret|password|passwd|token|credential|session|access_key", re.IGNORECASE)
 """Option names that hold credentials: refused in a config (they would reach MLflow params and commit metadata)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, training
+from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, teacher, training
 from configs.schema import RunConfig, load_config
 from pipelines.jobs import iteration_job, setup_job
 from pipelines.maintenance import lake_maintenance, lake_maintenance_schedule
@@ -33,7 +33,7 @@ def _assets_in_dag_order() -> list[dg.AssetsDefinition]:
     found = {
         a.key.to_user_string(): a
         for a in dg.load_assets_from_modules(
-            [ingest, rollout, reference, old_logprobs, judge, scoring, critic, training]
+            [ingest, rollout, reference, teacher, old_logprobs, judge, scoring, critic, training]
         )
     }
     names = [s.name for s in SETUP + ITERATION]

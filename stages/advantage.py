@@ -29,6 +29,7 @@ import torch
 
 from configs.schema import RunConfig
 from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
+from stages.algos.distill import compute_distillation_advantages, teacher_kl_per_rollout
 from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.algos.kl_ctrl import make_kl_controller
 from stages.filter_groups import select_training_groups, split_baseline_rows
@@ -82,10 +83,11 @@ def compute_advantage_table(
     ref: pd.DataFrame | None = None,
     kl_coef: float | None = None,
     old: pd.DataFrame | None = None,
+    teacher: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Rows of the advantages table for one iteration's scored rollouts (`values`: its values table, needed by
-    adv_estimator='gae'; `ref`, `old`: its ref_logprobs and old_logprobs tables). ReMax's greedy baseline rows
-    are left out of the table (and give remax its per-group baseline)."""
+    adv_estimator='gae'; `ref`, `old`, `teacher`: its ref_logprobs, old_logprobs and teacher_logprobs tables).
+    ReMax's greedy baseline rows are left out of the table (and give remax its per-group baseline)."""
     scored, baselines = split_baseline_rows(scored)
     baseline_rewards = remax_baseline_rewards(scored, baselines) if algorithm_cfg.adv_estimator == "remax" else None
     rewards = finite_rewards(scored)
@@ -106,13 +108,11 @@ def compute_advantage_table(
         gamma=algorithm_cfg.gamma,
         norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
     )
+    adv, distill_cols = distillation_columns(scored, teacher, adv, mask, old_lp, algorithm_cfg.distillation)
+    keys = ("rollout_id", "group_id", "policy_version", "prompt_token_ids", "response_token_ids")
     return pd.DataFrame(
         {
-            "rollout_id": scored["rollout_id"].to_numpy(),
-            "group_id": scored["group_id"].to_numpy(),
-            "policy_version": scored["policy_version"].to_numpy(),
-            "prompt_token_ids": scored["prompt_token_ids"].to_numpy(),
-            "response_token_ids": scored["response_token_ids"].to_numpy(),
+            **{key: scored[key].to_numpy() for key in keys},
             "response_mask": pd.Series(masks or [None] * len(scored), dtype=object),
             "reward": rewards,
             "advantage": adv[:, 0].numpy(),
@@ -121,6 +121,7 @@ def compute_advantage_table(
             "rollout_logprobs": engine_logprob_lists(scored),
             **old_cols,
             **kl_cols,
+            **distill_cols,
             "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
         }
     )
@@ -261,6 +262,53 @@ def reward_kl_columns(
     return rewards, cols
 
 
+def distillation_columns(
+    scored: pd.DataFrame,
+    teacher: pd.DataFrame | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    distill_cfg,
+) -> tuple[torch.Tensor, dict]:
+    """(advantages, the teacher_logprobs / teacher_kl columns of the advantages table): with
+    algorithm.distillation.enable, adv (N, L) becomes stages.algos.distill.compute_distillation_advantages of it, the
+    student's old log-probs (N, L) (None: the engine's rollout_logprobs) and the teacher's (the teacher_logprobs
+    table: rollout_id + teacher_logprobs lists); teacher_kl is each rollout's token-mean log pi_student - log
+    pi_teacher over its own tokens. Without distillation: adv unchanged, empty lists and NaN."""
+    n = len(scored)
+    cols = {"teacher_logprobs": [[] for _ in range(n)], "teacher_kl": np.full(n, np.nan)}
+    if not distill_cfg.enable:
+        return adv, cols
+    if teacher is None:
+        raise ValueError(
+            "algorithm.distillation.enable=true needs the iteration's teacher_logprobs table, because the "
+            "distillation advantage compares the student's log-probs with the teacher's; materialize the "
+            "teacher_logprobs asset of this iteration first, or set algorithm.distillation.enable=false"
+        )
+    by_id = dict(zip(teacher["rollout_id"].tolist(), teacher["teacher_logprobs"], strict=True))
+    ids = scored["rollout_id"].tolist()
+    lists = [list(by_id.get(rid, ())) for rid in ids]
+    bad = [r for r, x, k in zip(ids, lists, scored["response_length"].astype(int), strict=True) if len(x) != k]
+    if bad:
+        raise ValueError(
+            f"rollouts {bad[:10]} have no teacher log-probs of their response's length; the teacher_logprobs table "
+            "is from other rollouts: re-materialize teacher_logprobs of this iteration after its rollouts"
+        )
+    student = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
+    adv, reverse_kl = compute_distillation_advantages(
+        adv,
+        student,
+        ragged_to_padded(lists, mask.shape[1]),  # (N, L)
+        mask,
+        kl_penalty_coef=distill_cfg.kl_penalty_coef,
+        use_task_rewards=distill_cfg.use_task_rewards,
+        loss_max_clamp=distill_cfg.loss_max_clamp,
+    )
+    cols["teacher_logprobs"] = lists
+    cols["teacher_kl"] = teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
+    return adv, cols
+
+
 def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float:
     """beta of this iteration: kl_ctrl.kl_coef (fixed, or iteration 0), else the adaptive controller's update
     of the previous iteration's stored beta by its stored per-rollout KL (a function of stored data only,
@@ -295,6 +343,7 @@ def iteration_advantages(
     ref: pd.DataFrame | None = None,
     previous: pd.DataFrame | None = None,
     old: pd.DataFrame | None = None,
+    teacher: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, int]:
     """The `advantages` stage: (the iteration's advantages table, rollouts dropped as flagged).
 
@@ -302,7 +351,8 @@ def iteration_advantages(
     first train_batch_size groups with reward spread (algorithm.filter_groups), then algorithm.adv_estimator
     runs. values: the iteration's `values` (GAE); ref: its `ref_logprobs` (KL in the reward); previous: the
     previous iteration's advantages (the adaptive KL controller's state); old: its `old_logprobs` (the actor's
-    log-probs: KL in the reward, the update's ratio denominator, the engine-vs-trainer gap columns)."""
+    log-probs: KL in the reward, the update's ratio denominator, the engine-vs-trainer gap columns); teacher: its
+    `teacher_logprobs` (on-policy distillation, algorithm.distillation)."""
     dropped = 0
     if cfg.reward.on_error == "flag":
         scored, dropped = drop_flagged_rollouts(scored)
@@ -310,4 +360,5 @@ def iteration_advantages(
         scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
     )
     kl_coef = kl_coef_for_iteration(cfg.algorithm, previous) if cfg.algorithm.use_kl_in_reward else None
-    return compute_advantage_table(kept, cfg.algorithm, values=values, ref=ref, kl_coef=kl_coef, old=old), dropped
+    kw = {"values": values, "ref": ref, "kl_coef": kl_coef, "old": old, "teacher": teacher}
+    return compute_advantage_table(kept, cfg.algorithm, **kw), dropped

@@ -7,7 +7,8 @@ table of that name too (`rollouts` writes `rollouts`). The table drives the Defi
 upstream table (assets/common.py). `module` names the stage module that computes the asset.
 
 SETUP runs once per run (rlake_setup_job); ITERATION once per iteration partition (rl_iteration_job),
-a row only in runs where its `when` holds: the critic's stages with GAE, the reference log-probs with KL.
+a row only in runs where its `when` holds: the critic's stages with GAE, the reference log-probs with KL, the
+teacher's with on-policy distillation.
 The actor's recomputed log-probs of the rollouts (`old_logprobs`, verl's compute_log_prob) are in every run.
 """
 
@@ -32,6 +33,12 @@ def uses_critic(cfg: RunConfig) -> bool:
 def uses_reference(cfg: RunConfig) -> bool:
     """KL as a loss or in the reward: the reference policy's log-probs of the rollouts (`ref_logprobs`)."""
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def uses_teacher(cfg: RunConfig) -> bool:
+    """On-policy distillation (algorithm.distillation.enable): the teacher's log-probs of the rollouts
+    (`teacher_logprobs`)."""
+    return bool(cfg.algorithm.distillation.enable)
 
 
 def uses_multi_turn(cfg: RunConfig) -> bool:
@@ -81,6 +88,8 @@ ITERATION: tuple[Stage, ...] = (
           table=True,                                     when=uses_multi_turn),
     Stage("ref_logprobs",      "stages.ref_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/ref_logprobs",    when=uses_reference),
+    Stage("teacher_logprobs",  "stages.teacher_logprobs", ("rollouts",),
+          table=True,  timing="timing_s/teacher_logprobs", when=uses_teacher),
     # the policy that sampled (version == iteration) is found like the rollouts' (ModelStore.require)
     Stage("old_logprobs",      "stages.old_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/old_logprobs"),
@@ -91,7 +100,7 @@ ITERATION: tuple[Stage, ...] = (
     Stage("values",            "stages.values",        ("scored_rollouts",),  # reads the rollouts table
           table=True,                                     when=uses_critic),
     Stage("advantages",        "stages.advantage",     ("scored_rollouts", "values", "ref_logprobs",
-                                                        "old_logprobs"),
+                                                        "teacher_logprobs", "old_logprobs"),
           table=True,  timing="timing_s/advantages"),
     Stage("policy_checkpoint", "stages.update",        ("advantages",),
           table=False, timing="timing_s/update"),

@@ -53,11 +53,13 @@ def compute_ref_logprobs(
     param_dtype: str = "float32",
     max_token_len: int | None = None,
     gpus: GpuPool = CPU_ONLY,
+    role: str = "ref",
 ) -> pd.DataFrame:
     """Rows of the ref_logprobs table (rollout_id, policy_version, ref_policy_version, ref_logprobs),
     sorted by rollout_id; one list per rollout, as long as its response.
 
-    param_dtype: the forward's compute dtype (the actor's, so KL terms compare like with like).
+    param_dtype: the forward's compute dtype (the actor's, so KL terms compare like with like). role: the worker
+    group (the distillation teacher's is "teacher", stages/teacher_logprobs.py).
     use_ray=False computes in this process (a RefWorker at this process's thread count); a killed ref
     worker is replaced and the call retried up to MAX_ACTOR_RESTARTS times. max_token_len: packed micro-batches of
     at most that many tokens (actor.use_dynamic_bsz, RefWorker); None: micro_batch_size padded rollouts."""
@@ -75,7 +77,7 @@ def compute_ref_logprobs(
         workers = max(1, min(num_workers, len(rollouts)))
         shards = split_frame(rollouts, workers)
         parts = call_with_retry(
-            lambda: worker_group(RefWorker, "ref", workers, threads=engine_threads(workers), gpus=gpus, **kwargs),
+            lambda: worker_group(RefWorker, role, workers, threads=engine_threads(workers), gpus=gpus, **kwargs),
             lambda g: g.call_each(RefWorker.compute_ref_log_prob, [(shard,) for shard in shards]),
             retries=MAX_ACTOR_RESTARTS,
         )

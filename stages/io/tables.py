@@ -135,6 +135,10 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("ref_logprobs", pa.list_(pa.float32())),
             pa.field("kl_coef", pa.float64()),
             pa.field("reward_kl", pa.float64()),
+            # on-policy distillation: the teacher's log-probs (empty lists without it) and the rollout's token-mean
+            # reverse KL log pi_student - log pi_teacher (NaN without it); token_advantages include its term
+            pa.field("teacher_logprobs", pa.list_(pa.float32())),
+            pa.field("teacher_kl", pa.float64()),
             # GAE returns per response token (advantages + values, PPO with a critic); empty for others
             pa.field("returns", pa.list_(pa.float32())),
         ]
@@ -166,6 +170,15 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("policy_version", pa.int64()),
             pa.field("ref_policy_version", pa.int64()),
             pa.field("ref_logprobs", pa.list_(pa.float32())),
+        ]
+    ),
+    # per-token log-probs of each rollout's response under the on-policy distillation teacher (algorithm.distillation)
+    "teacher_logprobs": pa.schema(
+        _KEYS
+        + [
+            pa.field("rollout_id", pa.int64(), nullable=False),
+            pa.field("policy_version", pa.int64()),
+            pa.field("teacher_logprobs", pa.list_(pa.float32())),
         ]
     ),
     # the generative judge's prompt and raw verdict per training rollout (reward.judge), and what was read from it
@@ -249,6 +262,8 @@ COLUMN_DEFAULTS: dict[str, object] = {
     "judge_error": None,
     "kl_coef": None,
     "reward_kl": None,
+    "teacher_logprobs": [],
+    "teacher_kl": None,
     "returns": [],
     "extra_info": None,
     "reward_version": None,

@@ -42,7 +42,7 @@ import torch
 
 from configs.schema import TrainerConfig
 
-GPU_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "judge")
+GPU_ROLES = ("actor", "rollout", "ref", "teacher", "critic", "reward_model", "judge")
 """The worker groups that may hold a model on a GPU (stages/workers/*_worker.py)."""
 GPU_SHARE = 1.0 / len(GPU_ROLES)
 """Ray GPUs each worker of a GPU run requests: a rank of every role fits on one GPU."""

@@ -41,6 +41,7 @@ def test_definitions_load_and_jobs_resolve(defs) -> None:
         "rollouts",
         "turns",
         "ref_logprobs",
+        "teacher_logprobs",
         "old_logprobs",
         "judgements",
         "scored_rollouts",
@@ -61,7 +62,8 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
     assert up["rollouts"] == {"prompt_batches"}
     assert up["scored_rollouts"] == {"rollouts", "judgements"} and up["judgements"] == {"rollouts"}
     assert up["old_logprobs"] == {"rollouts"} and up["turns"] == {"rollouts"}
-    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "old_logprobs"}
+    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "teacher_logprobs", "old_logprobs"}
+    assert up["teacher_logprobs"] == {"rollouts"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}
     assert up["iteration_metrics"] == {"policy_checkpoint", "critic_checkpoint"}
@@ -85,6 +87,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "timing_s/prompt_batch",
         "timing_s/rollouts",
         "timing_s/ref_logprobs",
+        "timing_s/teacher_logprobs",
         "timing_s/old_logprobs",
         "timing_s/judgements",
         "timing_s/scored_rollouts",
@@ -98,6 +101,7 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
         "rollouts",
         "turns",
         "ref_logprobs",
+        "teacher_logprobs",
         "old_logprobs",
         "judgements",
         "scored_rollouts",
@@ -123,6 +127,8 @@ def test_iteration_job_runs_the_critic_only_for_gae_and_the_reference_only_with_
     assert {"values", "critic_checkpoint"} <= _selected("algorithm.adv_estimator=gae")
     assert "ref_logprobs" in _selected("actor.use_kl_loss=true")
     assert "judgements" in _selected("reward.judge.enable=true", "reward.judge.model_path=/any")
+    teacher = ("algorithm.distillation.enable=true", "algorithm.distillation.teacher_model_path=/any")
+    assert "teacher_logprobs" in _selected(*teacher) and "teacher_logprobs" not in _selected()
 
 
 def test_the_iteration_job_holds_every_stage_whatever_the_load_time_config() -> None:

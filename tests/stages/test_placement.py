@@ -47,7 +47,8 @@ def test_every_role_gets_a_share_of_gpu_i_on_node_i_div_n() -> None:
     cfg = load_config(None, ["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor.num_workers=4"])
     pool = GpuPool.of(cfg.trainer)
     assert (pool.n_gpus_per_node, pool.nnodes, pool.size) == (2, 2, 4)
-    counts = {"actor": cfg.actor.num_workers, "rollout": 4, "ref": 3, "critic": 1, "reward_model": 2, "judge": 4}
+    counts = {"actor": cfg.actor.num_workers, "rollout": 4, "ref": 3, "teacher": 2, "critic": 1, "reward_model": 2}
+    counts["judge"] = 4
     per_gpu: dict[tuple[int, int], float] = {}
     for role, n in counts.items():
         placements = rank_placements(pool, role, n)
@@ -55,10 +56,10 @@ def test_every_role_gets_a_share_of_gpu_i_on_node_i_div_n() -> None:
         assert [(p.node, p.bundle_index) for p in placements] == [(i // 2, i % 2) for i in range(n)]
         assert [p.placement_group for p in placements] == [f"rlake-gpus:2x2:{i // 2}" for i in range(n)]
         for p in placements:
-            assert p.num_gpus == pytest.approx(1 / 6)
+            assert p.num_gpus == pytest.approx(1 / len(GPU_ROLES))
             per_gpu[(p.node, p.bundle_index)] = per_gpu.get((p.node, p.bundle_index), 0.0) + p.num_gpus
-    # a rank of all six roles fits on one GPU (colocation), never more than one GPU's worth
-    assert max(per_gpu.values()) == pytest.approx(6 * GPU_SHARE) == pytest.approx(1.0)
+    # a rank of every role fits on one GPU (colocation), never more than one GPU's worth
+    assert max(per_gpu.values()) == pytest.approx(len(GPU_ROLES) * GPU_SHARE) == pytest.approx(1.0)
 
 
 def test_the_update_request_carries_the_configs_gpu_pool(tmp_path: Path) -> None:
