@@ -39,9 +39,14 @@ def teacher_dir(cfg: RunConfig) -> Path:
 
 
 def check_same_tokenizer(teacher: Path, student: Path) -> None:
-    """Raise unless the teacher's tokenizer maps every token to the student's id and its embedding covers them:
-    the teacher scores the student's token ids as they are (no re-tokenization)."""
-    t_vocab, s_vocab = load_tokenizer(teacher).get_vocab(), load_tokenizer(student).get_vocab()
+    """Raise unless the teacher's tokenizer maps every token to the student's (checkpoint `student`) id and its
+    embedding covers them: the teacher scores the student's token ids as they are (no re-tokenization)."""
+    check_teacher_tokenizer(teacher, load_tokenizer(student))
+
+
+def check_teacher_tokenizer(teacher: Path, student_tokenizer) -> None:
+    """check_same_tokenizer against the student's tokenizer object (preflight: before the student is saved)."""
+    t_vocab, s_vocab = load_tokenizer(teacher).get_vocab(), student_tokenizer.get_vocab()
     t_size = json.loads((teacher / "config.json").read_text()).get("vocab_size", len(t_vocab))
     if t_vocab != s_vocab or t_size < len(s_vocab):
         differ = sorted(set(t_vocab.items()) ^ set(s_vocab.items()))[:5]

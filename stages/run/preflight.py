@@ -3,7 +3,8 @@
 `rlake train` calls `preflight(cfg)` right after parsing the config (configs.errors.load_run_config),
 so bad input fails in seconds with a what / why / fix message instead of minutes into a run: malformed
 or missing parquet columns, an unknown data_source, too few prompts, prompts over
-data.max_prompt_length, and a model.path that is not a causal-LM checkpoint.
+data.max_prompt_length, a model.path that is not a causal-LM checkpoint, and a distillation teacher that is
+missing or reads tokens with another tokenizer than the student's.
 
 A custom reward function (reward.custom_reward_function) is loaded as the Ray tasks will load it (file
 read, source exec'd, function looked up, signature checked) and then called ONCE: on the first training
@@ -25,6 +26,7 @@ from stages.prompts import build_prompt_rows
 from stages.reward import load_custom_reward, probe_custom_reward
 from stages.reward_model import check_reward_model_dir
 from stages.run.resume import check_causal_lm_dir
+from stages.teacher_logprobs import check_teacher_tokenizer, teacher_dir
 from stages.workers.connect import check_cluster_auth
 
 
@@ -57,6 +59,11 @@ def preflight(cfg: RunConfig) -> dict:
         row = {"data_source": first["data_source"], "solution_str": gt, "ground_truth": gt}
         out["reward_probe"] = probe_custom_reward(custom, {**row, "extra_info": parse_extra_info(first["extra_info"])})
     tok = preflight_tokenizer(cfg.model)
+    if cfg.algorithm.distillation.enable:  # no teacher, not a causal LM, or another tokenizer: fails here
+        teacher = teacher_dir(cfg)
+        check_causal_lm_dir(teacher, what="algorithm.distillation.teacher_model_path")
+        if tok is not None:
+            check_teacher_tokenizer(teacher, tok)
     if tok is not None:
         ids, _ = tokenize_prompts(
             list(rows["prompt"]), tok, cfg.data.max_prompt_length, prompt_ids=list(rows["prompt_id"])

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import scored_rows
 from test_ref_logprobs import _rollouts
 
+ROOT = Path(__file__).resolve().parents[2]
 STUDENT = [[-1.0, -1.0]] * 4
 TEACHER = [[-1.0, -2.0], [-1.0, -1.0], [-3.0, -1.0], [-1.0, -0.5]]
 
@@ -84,6 +85,25 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_checkpoint: Path, tmp_pa
     with pytest.raises(ValueError, match="does not share the student's tokenizer"):
         check_same_tokenizer(Path(other), tiny_checkpoint)
     check_same_tokenizer(tiny_checkpoint, tiny_checkpoint)  # the same one passes
+
+
+def test_preflight_checks_the_teacher_before_any_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from configs.schema import TinyModelConfig
+    from stages.models.policy import save_policy
+    from stages.models.tiny import build_char_tokenizer, build_tiny_model
+    from stages.run.preflight import preflight
+
+    def cfg(teacher: Path):
+        over = [f"trainer.output_dir={tmp_path}", f"algorithm.distillation.teacher_model_path={teacher}"]
+        return load_config(ROOT / "configs" / "ci_tiny_distill.yaml", over)
+
+    assert preflight(cfg(tiny_checkpoint))["rows"] > 0  # the tiny student's char tokenizer: the same vocabulary
+    with pytest.raises(FileNotFoundError, match="teacher_model_path"):
+        preflight(cfg(tmp_path / "missing"))
+    tok = build_char_tokenizer(tool_tokens=True)
+    other = save_policy(build_tiny_model(TinyModelConfig(hidden_size=32), len(tok)), tok, tmp_path / "other")
+    with pytest.raises(ValueError, match="does not share the student's tokenizer"):
+        preflight(cfg(Path(other)))
 
 
 @pytest.mark.ray
