@@ -27,6 +27,7 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray.data
 from deltalake import CommitProperties, DeltaTable
@@ -42,6 +43,7 @@ from stages.io.store import (
     code_version,
     empty_partition_error,
     missing_partition_error,
+    open_table,
     table_exists,
     to_arrow,
 )
@@ -60,12 +62,13 @@ def partition_actions(
 ) -> dict[str, list]:
     """The Delta log's add actions (flattened: path, size, num_records, ...) of the files of partition
     (run_id, iteration) at `version`, column by column: the log's file list, a few KB, no data read."""
-    path, opts = _open(uri, storage_options)
-    dt = DeltaTable(path, version=version, storage_options=opts)
-    actions = pa.table(dt.get_add_actions(flatten=True)).to_pydict()  # an arro3 table: via the C data interface
-    runs, its = actions["partition.run_id"], actions["partition.iteration"]
-    keep = [k for k, (r, i) in enumerate(zip(runs, its, strict=True)) if r == run_id and int(i) == iteration]
-    return {column: [values[k] for k in keep] for column, values in actions.items()}
+    dt = open_table(uri, version=version, storage_options=storage_options)
+    actions = pa.table(dt.get_add_actions(flatten=True))  # an arro3 table: via the C data interface
+    mine = pc.and_(
+        pc.equal(actions["partition.run_id"], run_id),
+        pc.equal(pc.cast(actions["partition.iteration"], pa.int64()), iteration),
+    )  # filtered in Arrow: the table's file list holds every partition ever written
+    return actions.filter(mine).to_pydict()
 
 
 def partition_files(
@@ -221,7 +224,7 @@ def _commit(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, line
             configuration=TABLE_CONFIGURATION,
         )
     else:
-        dt = DeltaTable(path, storage_options=opts)
+        dt = open_table(uri, storage_options=storage_options)
         # the commit's schema is the table's: the union keeps columns other partitions have (a custom reward's
         # extra keys of earlier iterations) and adds this write's new ones, as store.write_partition's merge
         full = pa.unify_schemas([pa.schema(dt.schema().to_arrow()), full], promote_options="permissive")
@@ -233,4 +236,4 @@ def _commit(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, line
             partition_filters=[("run_id", "=", run_id), ("iteration", "=", str(iteration))],
             commit_properties=props,
         )
-    return DeltaTable(path, storage_options=opts).version()
+    return open_table(uri, storage_options=storage_options).version()

@@ -26,10 +26,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
 
 from stages.io import dataset_io, store, uris
-from stages.io.store import Options, _open
+from stages.io.store import Options
 
 BATCH_ROWS = 4096
 """Rows per in-process batch: a tiny run's partition is one batch (the stage sees what it saw whole)."""
@@ -68,8 +67,7 @@ def choose_mode(rows: int, data_min_rows: int | None) -> str:
 
 
 def _dataset(uri: str, run_id: str, iteration: int, version: int | None, storage_options: Options) -> pads.Dataset:
-    path, opts = _open(uri, storage_options)
-    dt = DeltaTable(path, version=version, storage_options=opts)
+    dt = store.open_table(uri, version=version, storage_options=storage_options)
     return dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
 
 

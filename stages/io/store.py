@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Mapping
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -76,10 +77,50 @@ def _open(uri: str, storage_options: Options) -> tuple[str, dict[str, str] | Non
     return uris.target(uri), uris.options_of(uri, storage_options)
 
 
+_TABLES: dict[tuple[str, str], tuple[DeltaTable, tuple | None]] = {}
+"""This process's open copy of each table's newest version (open_table), with its creation stamp (_created)."""
+_TABLES_LOCK = threading.Lock()
+
+
+def _created(path: str) -> tuple | None:
+    """What tells a local table from one deleted and created again at the same path: its first commit file's
+    inode and mtime (None: a remote table, or a log without its first commit)."""
+    if not uris.is_local(path):
+        return None
+    try:
+        st = (uris.local_path(path) / "_delta_log" / f"{0:020d}.json").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def open_table(uri: str, *, version: int | None = None, storage_options: Options = None) -> DeltaTable:
-    """The DeltaTable at `uri` (optionally at `version`), opened with the URI's storage options."""
+    """The DeltaTable at `uri` (optionally at `version`), opened with the URI's storage options.
+
+    The newest version comes from this process's open copy of the table, brought up to date incrementally: only
+    the commits made since it was last used are read (DeltaTable.update_incremental). Opening a table reads its
+    last checkpoint, whose file list holds every partition ever written, so opening it per look-up made every
+    iteration's bookkeeping grow with the run (#36). An older version (time travel) is opened anew. The newest
+    table is shared: read it or write through it, never load_as_version it."""
     path, opts = _open(uri, storage_options)
+    key, stamp = (path, json.dumps(opts or {}, sort_keys=True)), _created(path)
+    with _TABLES_LOCK:
+        cached = _TABLES.get(key)
+        if cached is not None and cached[1] == stamp:
+            table = cached[0]
+            table.update_incremental()
+        else:
+            table = DeltaTable(path, storage_options=opts)
+            _TABLES[key] = (table, stamp)
+    if version is None or version == table.version():
+        return table
     return DeltaTable(path, version=version, storage_options=opts)
+
+
+def forget_tables() -> None:
+    """Drop this process's open tables (the next open_table of each reads its checkpoint again)."""
+    with _TABLES_LOCK:
+        _TABLES.clear()
 
 
 def table_exists(uri: str, *, storage_options: Options = None) -> bool:
@@ -174,9 +215,9 @@ def write_partition(
             storage_options=opts,
             configuration=TABLE_CONFIGURATION,
         )
-        return DeltaTable(path, storage_options=opts).version()
+        return open_table(uri, storage_options=storage_options).version()
     safe_run = run_id.replace("'", "''")
-    table = DeltaTable(path, storage_options=opts)  # one open: the write leaves it at the version it committed
+    table = open_table(uri, storage_options=storage_options)  # the write leaves it at the version it committed
     # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
     # instead of refusing a resumed run's writes
     write_deltalake(

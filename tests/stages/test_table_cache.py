@@ -1,0 +1,47 @@
+"""store.open_table keeps one open copy of each table per process and brings it up to date incrementally (#36):
+it sees commits made by other writers, tells a table deleted and created again at the same path from the old
+one, and still opens older versions anew. Real Delta tables under tmp_path."""
+
+from __future__ import annotations
+
+import shutil
+
+import pandas as pd
+import pyarrow as pa
+from deltalake import write_deltalake
+
+from stages.io import store
+
+RUN = "c"
+
+
+def _rows(value: int) -> pd.DataFrame:
+    return pd.DataFrame({"policy_version": 1, "metric": ["m"], "value": [float(value)]})
+
+
+def _write(uri: str, it: int, value: int) -> int:
+    return store.write_partition(uri, "iteration_metrics", _rows(value), run_id=RUN, iteration=it, lineage={})
+
+
+def test_open_table_is_shared_and_sees_other_writers(tmp_path) -> None:
+    uri = str(tmp_path / "iteration_metrics")
+    assert (_write(uri, 0, 1), _write(uri, 1, 2)) == (0, 1)
+    table = store.open_table(uri)
+    assert store.open_table(uri) is table and table.version() == 1
+    other = pa.table({"run_id": [RUN], "iteration": [2], "policy_version": [1], "metric": ["m"], "value": [3.0]})
+    write_deltalake(uri, other, mode="append")  # another writer: not through this process's copy
+    assert store.open_table(uri) is table and table.version() == 2
+    assert store.read_partition(uri, RUN, 2)["value"].tolist() == [3.0]
+    assert store.read_partition(uri, RUN, 0, version=0)["value"].tolist() == [1.0]  # an older version: anew
+    assert store.open_table(uri, version=1) is not table and store.open_table(uri).version() == 2
+
+
+def test_a_table_created_again_at_the_same_path_is_opened_anew(tmp_path) -> None:
+    uri = str(tmp_path / "iteration_metrics")
+    for it in range(3):
+        _write(uri, it, it)
+    assert store.open_table(uri).version() == 2
+    shutil.rmtree(uri)
+    assert _write(uri, 5, 7) == 0  # a new table: its version 0, not the old one's version 3
+    assert store.open_table(uri).version() == 0
+    assert store.read_partition(uri, RUN, 5)["value"].tolist() == [7.0]
