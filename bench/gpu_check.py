@@ -1,6 +1,6 @@
 """Device check on one CUDA GPU (H200-class): rlake uses the GPU it is given, and how fast.
 
-    python bench/gpu_check.py --out gpu_check.md        # about 5 minutes on one H200 (8 at most)
+    python bench/gpu_check.py --out gpu_check.md        # about 5-6 minutes on one H100/H200 (8 at most)
 
 Without a CUDA device it stops at once, saying so. Each section runs in its own process under a share of
 an overall deadline (--budget-s); a failing section is a table row saying why, and the script exits 1.
@@ -10,6 +10,11 @@ an overall deadline (--budget-s); a failing section is a table row saying why, a
   VLLMEngine (the CUDA vllm build) and of its HFEngine (generate on cuda:0), each after a warm-up generate.
 - grpo: one iteration of configs/smollm2_gsm8k_gpu.yaml through `rlake train`'s runner, every role on GPU 0:
   wall time, the stage timings, the device each role's worker reports, the MFU of its policy update.
+- passes: the GPU config's log-prob pass and policy update in this process on GPU 0 (bf16 autocast, the config's
+  batch shape: its prompts x responses of uniform length in [L/4, L]), padded and packed (actor.use_dynamic_bsz),
+  plus the reward scoring of 512 responses: per stage host seconds (wall, synchronised) against device seconds
+  (the CUDA kernels' summed time, torch.profiler), tokens/s and MFU over the bf16 peak measured here (an 8192^3
+  matmul) and over --peak-tflops. The GRPO section's stage times are host seconds of the pipeline's stages.
 - megatron: Megatron-Core TP=1 over NCCL, no CPU patches: one PPO update of SmolLM2 on a synthetic batch after a
   warm-up update; seconds, training tokens/s, MFU.
 
@@ -38,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("rollout-vllm", "rollout-hf", "grpo", "megatron")
+SECTIONS = ("rollout-vllm", "rollout-hf", "grpo", "passes", "megatron")
 H200_BF16_DENSE_TFLOPS = 989.0
 GPU_CONFIG = ROOT / "configs" / "smollm2_gsm8k_gpu.yaml"
 NO_CUDA = (
@@ -57,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=256, help="rollout sections: new tokens per sample")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="rollout sections")
     ap.add_argument("--megatron-rollouts", type=int, default=128, help="megatron: rollouts in the update")
+    ap.add_argument("--pass-budget", type=int, default=16384, help="passes: token budget of a packed micro-batch")
     ap.add_argument(
         "--grpo-rollout", default="vllm", choices=("vllm", "hf"),
         help="grpo: the rollout engine (rollout.name); hf where the CUDA vllm build cannot be installed",
@@ -71,6 +77,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.megatron_rollouts % 8:
         ap.error(f"--megatron-rollouts must be a multiple of 8 (samples per prompt), got {args.megatron_rollouts}")
+    if args.pass_budget < 1024:
+        ap.error(
+            f"--pass-budget must be >= 1024 tokens (a prompt + response of the GPU config), got {args.pass_budget}"
+        )
     if args.peak_tflops <= 0 or args.budget_s <= 0:
         ap.error("--peak-tflops and --budget-s must be > 0")
     args.workdir = args.workdir or f"{args.out}.work"
@@ -263,6 +273,138 @@ def section_grpo(args: argparse.Namespace) -> list[dict]:
     ]  # fmt: skip
 
 
+def device_timed(fn, device) -> tuple[object, float, float | None]:
+    """(fn(), host wall seconds, device seconds): fn runs once unprofiled for the wall time (synchronised on CUDA),
+    then once under torch.profiler for the CUDA kernels' summed time (None off CUDA: the CPU path)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    host = time.perf_counter() - t0
+    if device.type != "cuda":
+        return out, host, None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    return out, host, sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+
+
+def measured_peak_tflops(device, n: int = 8192, repeats: int = 10) -> float:
+    """Dense bf16 TFLOP/s of an n^3 matmul on `device`, mean of `repeats` after 3 warm-ups."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _, host, _ = device_timed(lambda: [a @ b for _ in range(repeats)], device)
+    return 2 * n**3 * repeats / host / 1e12
+
+
+def _pass_rows(cfg, tok, seed: int = 0) -> dict:
+    """The GPU config's batch: data.train_batch_size prompts x rollout.n responses of random tokens, lengths uniform
+    in [L/4, L], with GRPO-like advantages."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = _prompts(tok, cfg.data.train_batch_size)
+    top, n = cfg.data.max_response_length, cfg.rollout.n
+    lens = torch.randint(max(1, top // 4), top + 1, (len(prompts) * n,), generator=gen).tolist()
+    rows = {"prompt_token_ids": [p for p in prompts for _ in range(n)]}
+    rows["response_token_ids"] = [torch.randint(5, len(tok), (k,), generator=gen).tolist() for k in lens]
+    rows["advantages"] = torch.randn(len(lens), generator=gen)
+    return rows
+
+
+# long: one table row per pass and mode, each row's FLOPs, MFU and tokens/s spelled out
+def section_passes(args: argparse.Namespace) -> list[dict]:
+    import torch
+    from transformers import AutoConfig
+
+    from configs.schema import load_config
+    from stages.models.policy import load_policy
+    from stages.models.smollm2 import ensure_smollm2_checkpoint
+    from stages.train.actor import compute_logprobs
+    from stages.train.batching import actor_batch
+    from stages.train.packing import padding_share
+
+    device = torch.device("cuda", 0)
+    cfg = load_config(GPU_CONFIG)
+    model_dir = ensure_smollm2_checkpoint()
+    arch = Arch.of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    model, tok = load_policy(model_dir)
+    model.to(device).eval()
+    peak = measured_peak_tflops(device)
+    rows = _pass_rows(cfg, tok)
+    batch = actor_batch(rows, tok.pad_token_id, use_kl_loss=False)
+    lens = batch["attention_mask"].sum(-1).tolist()
+    pad = padding_share(batch["attention_mask"])
+    out = [{"check": "bf16 peak, measured", "result": f"{peak:.0f} TFLOP/s", "detail": "8192^3 matmul, mean of 10"}]
+    for mode, budget in (("padded", None), ("packed", args.pass_budget)):
+        mb = cfg.actor.ppo_micro_batch_size
+
+        def logprobs(budget=budget, mb=mb):
+            return compute_logprobs(model, batch, mb, param_dtype="bfloat16", max_token_len=budget)
+
+        old, host, dev = device_timed(logprobs, device)
+        flops = update_flops(arch, lens, epochs=0, forward_passes=1)
+        out.append(_pass_row(f"log-prob pass, {mode}", host, dev, flops, peak, args.peak_tflops, sum(lens), pad, mode))
+        host, dev = _timed_update(model, cfg, rows, old, mode, args.pass_budget, tok.pad_token_id, device)
+        flops = update_flops(arch, lens, epochs=cfg.actor.ppo_epochs)
+        out.append(_pass_row(f"update, {mode}", host, dev, flops, peak, args.peak_tflops, sum(lens), pad, mode))
+    out.append(_scoring_row(cfg, tok, rows))
+    return out
+
+
+def _pass_row(name, host, dev, flops, peak, nominal, tokens, pad, mode) -> dict:
+    """One per-stage row: host vs device seconds, MFU over the measured and the nominal peak, tokens/s."""
+    dev_text = "n/a" if dev is None else f"{dev:.2f} s ({100 * dev / host:.0f}% of host)"
+    detail = (
+        f"device {dev_text}; MFU {100 * mfu(flops, host, peak):.1f}% of measured, "
+        f"{100 * mfu(flops, host, nominal):.1f}% of {nominal:g}; {tokens / host:,.0f} tokens/s; "
+        f"padding {0.0 if mode == 'packed' else 100 * pad:.0f}%"
+    )
+    return {"check": f"{name}, host s", "result": f"{host:.2f}", "detail": detail}
+
+
+def _timed_update(model, cfg, rows, old, mode, budget, pad_id, device) -> tuple[float, float | None]:
+    """(host s, device s) of ppo_update of the config's actor at bf16 with `old` log-probs, padded or packed."""
+    from stages.train.actor import ppo_update
+    from stages.train.optim import make_optimizer
+
+    update = {"use_dynamic_bsz": mode == "packed", "ppo_max_token_len_per_gpu": budget}
+    update["mixed_precision"] = {"param_dtype": "bfloat16"}
+    actor = type(cfg.actor).model_validate({**cfg.actor.model_dump(), **update})
+    opt, sched = make_optimizer(model, actor.optim)
+    with_old = {**rows, "old_logprobs": [old[i, : len(r)].tolist() for i, r in enumerate(rows["response_token_ids"])]}
+
+    def run():
+        return ppo_update(model, opt, sched, with_old, actor, n_per_prompt=cfg.rollout.n, pad_id=pad_id)
+
+    _, host, dev = device_timed(run, device)
+    return host, dev
+
+
+def _scoring_row(cfg, tok, rows) -> dict:
+    """Host seconds of scoring the batch's responses with the config's reward (the scored_rollouts stage's work)."""
+    import pandas as pd
+
+    from stages.reward import score_rollouts
+
+    texts = tok.batch_decode(rows["response_token_ids"], skip_special_tokens=True)
+    frame = pd.DataFrame({"rollout_id": range(len(texts)), "response_text": texts, "ground_truth": "7"})
+    frame = frame.assign(data_source="openai/gsm8k", response_length=[len(r) for r in rows["response_token_ids"]])
+    t0 = time.perf_counter()
+    score_rollouts(frame, cfg.reward, use_ray=False, max_response_length=cfg.data.max_response_length)
+    host = time.perf_counter() - t0
+    return {"check": "reward scoring, host s", "result": f"{host:.3f}", "detail": f"{len(texts)} responses, device 0"}
+
+
 def _megatron_on_gpu(device):
     """(SmolLM2 as a TP=1 GPTModel on `device`, its HF config, pad id, megatron arch, CPU patches applied) in a
     one-process NCCL group with megatron's model-parallel state initialised."""
@@ -342,7 +484,7 @@ def run_section(args: argparse.Namespace) -> None:
     if args.section.startswith("rollout-"):
         rows = section_rollout(args, args.section.removeprefix("rollout-"))
     else:
-        rows = section_grpo(args) if args.section == "grpo" else section_megatron(args)
+        rows = {"grpo": section_grpo, "passes": section_passes, "megatron": section_megatron}[args.section](args)
     Path(args.json).write_text(json.dumps(rows))
 
 

@@ -11,7 +11,7 @@ sys.stdout.buffer, 1 << 22)" | tar -x -C /tmp/site || { echo "unpacking the payl
 python3 -m zipfile -e /tmp/stage/protobuf-*.whl /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import ray, dagster, deltalake, mlflow, megatron.core; print('imports ok')" || exit 3
-timeout 480 python3 bench/gpu_check.py --out "$OUT/gpu_check.md" --sections rollout-hf grpo megatron \
+timeout 480 python3 bench/gpu_check.py --out "$OUT/gpu_check.md" --sections rollout-hf grpo passes megatron \
   --grpo-rollout hf --budget-s 430 --workdir /tmp/gcw
 rc=$?
 tar czf "$OUT/logs.tgz" /tmp/gcw/*.log 2>/dev/null

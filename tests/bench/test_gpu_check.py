@@ -21,7 +21,7 @@ _spec.loader.exec_module(gpu_check)
 
 def test_arguments_default_to_every_section_and_a_workdir_beside_the_report(tmp_path: Path) -> None:
     args = gpu_check.parse_args(["--out", str(tmp_path / "r.md")])
-    assert args.sections == list(gpu_check.SECTIONS) == ["rollout-vllm", "rollout-hf", "grpo", "megatron"]
+    assert args.sections == list(gpu_check.SECTIONS) == ["rollout-vllm", "rollout-hf", "grpo", "passes", "megatron"]
     assert (args.prompts, args.n, args.max_tokens, args.peak_tflops) == (64, 8, 256, 989.0)
     assert args.workdir == f"{tmp_path / 'r.md'}.work" and args.section is None
     assert args.grpo_rollout == "vllm"  # the GPU config's engine; hf where the CUDA vllm build is absent
@@ -36,6 +36,7 @@ def test_arguments_default_to_every_section_and_a_workdir_beside_the_report(tmp_
         (["--out", "r.md", "--megatron-rollouts", "12"], "--megatron-rollouts must be a multiple of 8"),
         (["--out", "r.md", "--sections", "tpu"], "invalid choice: 'tpu'"),
         (["--out", "r.md", "--budget-s", "0"], "--peak-tflops and --budget-s must be > 0"),
+        (["--out", "r.md", "--pass-budget", "512"], "--pass-budget must be >= 1024 tokens"),
     ],
 )
 def test_bad_arguments_stop_with_the_reason(argv: list[str], message: str, capsys) -> None:
@@ -122,3 +123,18 @@ def test_sections_past_the_budget_are_reported_not_run(tmp_path: Path) -> None:
     argv = ["--out", str(tmp_path / "r.md"), "--sections", "grpo", "--budget-s", "5"]
     rows, failed = gpu_check.run_sections(gpu_check.parse_args(argv), argv)
     assert failed and rows == [{"check": "grpo", "result": "not run", "detail": "--budget-s 5 spent"}]
+
+
+def test_per_stage_rows_host_against_device_seconds() -> None:
+    """The passes section's timing and row: off CUDA the CPU path times the host only (device None); a row gives
+    host s, device s and share, MFU over the measured and the nominal peak, tokens/s and the padding share."""
+    out, host, dev = gpu_check.device_timed(lambda: 7, torch.device("cpu"))
+    assert (out, dev) == (7, None) and host >= 0
+    # 2e12 FLOP in 2 s = 1 TFLOP/s: 1% of a measured 100, 0.1% of 1000; 3000 tokens / 2 s = 1,500 tokens/s
+    row = gpu_check._pass_row("update, padded", 2.0, 0.5, 2e12, 100.0, 1000.0, 3000, 0.25, "padded")
+    assert row == {
+        "check": "update, padded, host s",
+        "result": "2.00",
+        "detail": "device 0.50 s (25% of host); MFU 1.0% of measured, 0.1% of 1000; 1,500 tokens/s; padding 25%",
+    }
+    assert "device n/a" in gpu_check._pass_row("x", 1.0, None, 1.0, 1.0, 1.0, 1, 0.5, "packed")["detail"]
