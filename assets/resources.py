@@ -137,13 +137,15 @@ class RayResource(dg.ConfigurableResource):
     """Ray for run `run_id`: a new loopback-only local cluster (address `local`, started once per process) or
     the cluster at `address` (token auth required). `runtime_env` is ray.runtime_env as configured (env var
     names only: `env_vars_from` is read from the environment when connecting, so no secret enters the
-    resource's config); `resources_per_worker` places the roles it names (stages/workers/connect.py)."""
+    resource's config); `resources_per_worker` places the roles it names, each placement group waited for at most
+    `placement_timeout_s` (stages/workers/connect.py)."""
 
     address: str | None = "local"
     num_cpus: int | None = None
     run_id: str | None = None
     runtime_env: dict[str, Any] = {}
     resources_per_worker: dict[str, dict[str, float]] = {}
+    placement_timeout_s: float = 60.0
 
     def ensure(self) -> None:
         ensure_ray(
@@ -152,6 +154,7 @@ class RayResource(dg.ConfigurableResource):
             run_id=self.run_id,
             runtime_env=self.runtime_env,
             resources_per_worker=self.resources_per_worker,
+            placement_timeout_s=self.placement_timeout_s,
         )
 
 

@@ -825,6 +825,10 @@ class TrainerConfig(_Strict):
     """A policy_v<N> checkpoint directory (under output_dir/checkpoints/<run_id>/); used by resume_mode=resume_path."""
     resume_allow_config_change: bool = False
     """Resume even if the checkpoint's trainer_state.json was written under a different config hash."""
+    max_iteration_retries: int = Field(2, ge=0)
+    """Times `rlake train` re-runs one iteration, from its last committed checkpoint on rebuilt workers, after
+    losing a worker (a dead node or actor, a placement group not placed in ray.placement_timeout_s); then it
+    exits with the `rlake train --run-id` command that resumes. Other errors stop the run at once. 0: never."""
     async_mode: Literal["sync", "one_step_off"] = "sync"
     """sync: iteration i's rollouts are sampled from policy v_i, then v_i is updated (verl's default trainer).
     one_step_off (verl's one_step_off_policy recipe): iteration i's rollouts are sampled from v_{i-1} (v_0 for
@@ -935,6 +939,10 @@ class RayConfig(_Strict):
     `{actor: {CPU: 2}, rollout: {CPU: 1}}`: a role named here gets one placement group of num_workers such
     bundles (PACK; trainer rank order = bundle order) and torch threads = the bundle's CPUs. A role not named
     requests nothing (num_cpus=0, placed anywhere: the local default)."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """The longest a worker group waits for Ray to place it (its placement group, ray.resources_per_worker or the
+    GPU pool): after a lost node, for remaining or new capacity. Past it the stage fails with what was missing
+    and `rlake train` retries the iteration (trainer.max_iteration_retries), never a silent wait."""
     data_min_rows: int | None = 50000
     """Table stages (stages/io/stage_exec.py) run on Ray Data from this many rows of their input partition on,
     else in the Dagster step's process, streamed batch by batch (Ray Data's start-up costs seconds a tiny

@@ -58,13 +58,14 @@ def _derived(build) -> dg.ResourceDefinition:
 
 def _ray(cfg: RunConfig) -> RayResource:
     """Ray at ray.address (`local`: a new local cluster) for the run, with ray.runtime_env and
-    ray.resources_per_worker."""
+    ray.resources_per_worker and ray.placement_timeout_s."""
     return RayResource(
         address=cfg.ray.address,
         num_cpus=cfg.ray.num_cpus,
         run_id=cfg.run_id,
         runtime_env=dict(cfg.ray.runtime_env),
         resources_per_worker={role: dict(res) for role, res in cfg.ray.resources_per_worker.items()},
+        placement_timeout_s=cfg.ray.placement_timeout_s,
     )
 
 

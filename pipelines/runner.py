@@ -15,6 +15,7 @@ never one a process elsewhere is still running (`_fail_stale_runs`).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -38,6 +39,7 @@ from pipelines.dagster_storage import (  # noqa: F401 - API
 )
 from pipelines.definitions import build_definitions
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
+from pipelines.logs import failure_message
 from pipelines.one_step_off import run_one_step_off
 from pipelines.progress import RunProgress, asset_metadata, fmt_items, plain
 from pipelines.resources import tables_root, tracker_for
@@ -47,6 +49,7 @@ from stages.run.lease import RunLease
 from stages.run.preflight import preflight
 from stages.run.resume import ResumePlan, plan_resume
 
+log = logging.getLogger(__name__)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 """Dagster's console logger prints nothing: a failed step is one line from `rlake train` (pipelines/logs.py
 report_failure), its traceback in the log file, its events in the Dagster UI."""
@@ -200,7 +203,6 @@ def _run_jobs(
     tags = run_tags(cfg)
     run_config = launch_config(cfg)
     setup: dict = {}
-    history = []
     add_partitions(instance, cfg.run_id)
     if plan.run_setup:
         t0 = time.perf_counter()
@@ -213,21 +215,103 @@ def _run_jobs(
     if cfg.trainer.async_mode == "one_step_off":
         kw = {"tags": tags, "run_config": run_config, "execute": _execute}
         return setup, run_one_step_off(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
-    for it in range(plan.start_iteration, total):
+    kw = {"tags": tags, "run_config": run_config}
+    return setup, _run_iterations(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
+
+
+def _run_iterations(defs, instance, cfg: RunConfig, start: int, total: int, progress: RunProgress, **kw) -> list[dict]:
+    """Iterations start..total-1, one iteration job each; returns iteration_metrics' metadata per iteration.
+
+    An iteration that lost a worker (is_worker_loss: a node died, a placement group found no capacity) is re-run
+    from the last committed checkpoint on rebuilt workers, up to trainer.max_iteration_retries times in a row
+    (recover_iteration); then, or on any other error, the run stops (a lost worker: NodeLossError naming the
+    resume command). Every table write replaces its partition, so a re-run iteration leaves each row once."""
+    from stages.workers.faults import is_worker_loss  # noqa: PLC0415 - Ray, imported once a run iterates
+
+    history: dict[int, dict] = {}
+    it, failures = start, 0
+    while it < total:
         t1 = time.perf_counter()
-        add_partitions(instance, cfg.run_id, it)
-        res = _execute(
-            defs.resolve_job_def(ITERATION_JOB),
-            instance,
-            progress,
-            tags=tags,
-            run_config=run_config,
-            partition=partition_key(cfg.run_id, it),
-            asset_selection=iteration_asset_keys(cfg),
-        )
-        history.append(asset_metadata(res, "iteration_metrics"))
-        progress.iteration_done(it, time.perf_counter() - t1, fmt_items(history[-1], ""))
-    return setup, history
+        try:
+            history[it] = _run_iteration(defs, instance, cfg, it, progress, **kw)
+        except Exception as exc:
+            if not is_worker_loss(exc):
+                raise
+            failures += 1
+            if failures > cfg.trainer.max_iteration_retries:
+                raise NodeLossError(_give_up_message(cfg, it, failures, exc)) from exc
+            it = recover_iteration(cfg, it, total, failures, exc, progress)
+            continue
+        progress.iteration_done(it, time.perf_counter() - t1, fmt_items(history[it], ""))
+        it, failures = it + 1, 0
+    return [history[i] for i in sorted(history)]
+
+
+def _run_iteration(defs, instance, cfg: RunConfig, it: int, progress: RunProgress, **kw) -> dict:
+    """One iteration job run of partition (run, it); iteration_metrics' metadata."""
+    add_partitions(instance, cfg.run_id, it)
+    res = _execute(
+        defs.resolve_job_def(ITERATION_JOB),
+        instance,
+        progress,
+        partition=partition_key(cfg.run_id, it),
+        asset_selection=iteration_asset_keys(cfg),
+        **kw,
+    )
+    return asset_metadata(res, "iteration_metrics")
+
+
+class NodeLossError(RuntimeError):
+    """An iteration lost workers more than trainer.max_iteration_retries times in a row; says how to resume."""
+
+
+RETRY_PAUSE_S = 5.0
+"""Seconds before re-running an iteration, times the failures so far: time for Ray to mark a lost node dead (its
+health checks) and for new capacity to join, so a retry is not placed on the node that just died."""
+
+
+def recover_iteration(
+    cfg: RunConfig, it: int, total: int, failures: int, exc: BaseException, progress: RunProgress
+) -> int:
+    """After iteration `it` lost a worker: say so, remove the run's workers and placement groups (a group with a
+    rank on a lost node is rebuilt whole, on the nodes alive now), drop partial checkpoint writes, and return
+    the iteration to re-run: the resume plan's, i.e. the one after the last committed checkpoint. The rebuilt
+    workers load that checkpoint from storage (no trainer alive holds newer weights)."""
+    import ray  # noqa: PLC0415
+
+    from stages.workers.group import gc_run  # noqa: PLC0415
+
+    progress.line(
+        f"iteration {it} lost a worker ({_first_line(exc)}); re-running it from the last committed checkpoint "
+        f"on rebuilt workers, retry {failures} of trainer.max_iteration_retries={cfg.trainer.max_iteration_retries}"
+    )
+    if ray.is_initialized():
+        gone = gc_run(cfg.run_id)
+        log.info("removed the run's workers %s and placement groups %s", gone["actors"], gone["placement_groups"])
+    time.sleep(RETRY_PAUSE_S * failures)
+    partial = ModelStore.for_config(cfg).remove_partial()
+    if partial:
+        progress.line(f"removed partial checkpoint writes: {partial}")
+    auto = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"resume_mode": "auto"})})
+    plan = plan_resume(auto, cfg.run_id, total)  # this run's own progress, whatever its resume_mode
+    progress.line(plan.reason)
+    return min(plan.start_iteration, it)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error on one line, at most 400 characters (Ray's actor errors run over several lines: which actor, and
+    why it died, e.g. its node's death)."""
+    text = " ".join(failure_message(exc).split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _give_up_message(cfg: RunConfig, it: int, failures: int, exc: BaseException) -> str:
+    return (
+        f"iteration {it} lost a worker {failures} times in a row (trainer.max_iteration_retries="
+        f"{cfg.trainer.max_iteration_retries}); last: {_first_line(exc)}. Its tables and checkpoints are intact. "
+        f"Once the Ray cluster has the capacity again (ray.resources_per_worker), resume with: rlake train "
+        f"--config <your config> --run-id {cfg.run_id}"
+    )
 
 
 def _end_mlflow_run(

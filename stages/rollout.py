@@ -10,11 +10,13 @@ for the whole run and take each new policy version's weights in place.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
 import ray
+from ray.exceptions import RayActorError
 
 from configs.schema import RolloutConfig, RunConfig
 from stages import seeds
@@ -27,6 +29,8 @@ from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, e
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
 from stages.workers.tasks import split_frame
+
+log = logging.getLogger(__name__)
 
 
 def sampling_from_config(
@@ -83,13 +87,17 @@ def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
 def published_weights(model_dir: str) -> list:
     """[ref] of checkpoint model_dir's weights in Ray's object store when the run's trainer rank 0 published them
     (rollout.weight_sync=object_store, stages.workers.actor_worker.ActorWorker.publish), else [] (no actor group
-    alive in this run yet -- version 0, a resumed or re-materialized run -- or another version): the engines then
-    load the committed checkpoint."""
+    alive in this run yet -- version 0, a resumed or re-materialized run -- or another version; or its rank 0 was
+    lost with its node): the engines then load the committed checkpoint from storage."""
     want = ref_checkpoint_id(model_dir) or checkpoint_id(model_dir)
     actors = existing_workers("actor")
     if want is None or not actors:
         return []
-    return ray.get(actors[0].published_weights.remote(want))
+    try:
+        return ray.get(actors[0].published_weights.remote(want))
+    except RayActorError as exc:  # the trainer's node is gone: its weights are committed in storage anyway
+        log.warning("trainer rank 0 is lost (%s); the engines load checkpoint %s from storage", exc, want)
+        return []
 
 
 def generate_rollouts(

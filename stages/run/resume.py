@@ -39,6 +39,7 @@ RUN_CONTROL_FIELDS = (
     "resume_mode",
     "resume_from_path",
     "resume_allow_config_change",
+    "max_iteration_retries",
     "total_training_steps",
     "save_freq",
     "test_freq",

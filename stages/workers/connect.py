@@ -69,6 +69,8 @@ class RaySettings:
     """A local cluster of this process (loopback only, process groups on a FileStore)."""
     resources_per_worker: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """ray.resources_per_worker: the roles placed in a placement group of their own."""
+    placement_timeout_s: float = 60.0
+    """ray.placement_timeout_s: the longest a worker group's placement group may wait for nodes."""
 
 
 _settings = RaySettings()
@@ -221,6 +223,7 @@ def ensure_ray(
     run_id: str | None = None,
     runtime_env: Mapping[str, Any] | None = None,
     resources_per_worker: Mapping[str, Mapping[str, float]] | None = None,
+    placement_timeout_s: float = 60.0,
 ) -> None:
     """Connect this process to Ray once (see the module docstring) and record the run's settings; a no-op when
     connected (the settings stay those of the call that connected, or of `configure`).
@@ -228,7 +231,8 @@ def ensure_ray(
     address: ray.address (`local`/None: a new loopback-only cluster with num_cpus CPUs, None = all).
     run_id: names the run's workers and placement groups (and, on a cluster, its namespace).
     runtime_env: ray.runtime_env, resolved here (resolve_runtime_env); applied only when this call connects.
-    resources_per_worker: ray.resources_per_worker (stages/workers/placement.py role_placement_group)."""
+    resources_per_worker: ray.resources_per_worker (stages/workers/placement.py role_placement_group).
+    placement_timeout_s: ray.placement_timeout_s (a placement group not placed by then fails the stage)."""
     if ray.is_initialized():
         return
     configure(
@@ -236,6 +240,7 @@ def ensure_ray(
             run_id=run_id or NO_RUN,
             local=is_local(address),
             resources_per_worker={r: dict(v) for r, v in (resources_per_worker or {}).items()},
+            placement_timeout_s=placement_timeout_s,
         )
     )
     os.environ.setdefault("RAY_ACCEPT_CLOUD_SDK_WARNING", "1")
@@ -264,4 +269,5 @@ def ensure_ray_for(cfg) -> None:
         run_id=cfg.run_id,
         runtime_env=cfg.ray.runtime_env,
         resources_per_worker=cfg.ray.resources_per_worker,
+        placement_timeout_s=cfg.ray.placement_timeout_s,
     )

@@ -261,16 +261,16 @@ def worker_group(
     if found is not None:
         return found
     if resources:
-        role_placement_group(group_name, [dict(p.resources) for p in placements])
+        role_placement_group(group_name, [dict(p.resources) for p in placements], run.placement_timeout_s)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # merged into the job's env_vars
     remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
     build = uuid.uuid4().hex[:8]
     _kill_groups_at_exit()
     prefix = _role_prefix(role)
     handles = [
-        remote.options(name=f"{prefix}{build}:{i}", lifetime="detached", **actor_options(p)).remote(
-            i, num_workers, threads, shape, **init_kwargs
-        )
+        remote.options(
+            name=f"{prefix}{build}:{i}", lifetime="detached", **actor_options(p, run.placement_timeout_s)
+        ).remote(i, num_workers, threads, shape, **init_kwargs)
         for i, p in enumerate(placements)
     ]
     group = WorkerGroup(worker_cls, role, handles)
@@ -288,8 +288,8 @@ def _existing(worker_cls: type, role: str, num_workers: int, shape: str) -> Work
     try:
         if len(handles) == num_workers and ray.get([h.shape.remote() for h in handles]) == [shape] * num_workers:
             return WorkerGroup(worker_cls, role, handles)
-    except (ActorDiedError, ActorUnavailableError, RayActorError):
-        pass
+    except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+        log.warning("%s worker group lost an actor (%s); building it again", role, " ".join(str(exc).split())[:300])
     WorkerGroup(worker_cls, role, handles).kill()
     return None
 

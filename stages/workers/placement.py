@@ -32,6 +32,7 @@ whatever Ray assigned, and the process group is gloo instead of NCCL (`collectiv
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,14 +43,23 @@ import torch
 
 from configs.schema import TrainerConfig
 
+log = logging.getLogger(__name__)
+
 GPU_ROLES = ("actor", "rollout", "ref", "teacher", "critic", "reward_model", "judge")
 """The worker groups that may hold a model on a GPU (stages/workers/*_worker.py)."""
 GPU_SHARE = 1.0 / len(GPU_ROLES)
 """Ray GPUs each worker of a GPU run requests: a rank of every role fits on one GPU."""
 PG_PREFIX = "rlake-gpus:"
 PG_READY_TIMEOUT_S = 60.0
+"""Default of ray.placement_timeout_s: how long a placement group may wait for nodes before the stage fails."""
 RAY_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
 """Resources that are actor options of their own; any other name goes to `resources`."""
+
+
+class PlacementTimeoutError(RuntimeError):
+    """A placement group was not placed within ray.placement_timeout_s: the cluster lacks the capacity, e.g.
+    after losing a node. `rlake train` counts it as a lost worker and retries the iteration
+    (trainer.max_iteration_retries), so capacity that comes back in time is used."""
 
 
 def role_group_name(run_id: str, role: str) -> str:
@@ -156,9 +166,9 @@ def rank_placements(
     ]
 
 
-def node_placement_group(pool: GpuPool, node: int):
+def node_placement_group(pool: GpuPool, node: int, timeout_s: float = PG_READY_TIMEOUT_S):
     """The detached STRICT_PACK placement group of pool node `node` (n_gpus_per_node bundles {"GPU": 1}),
-    found by name or created and waited for; a cluster with too few GPUs is an error saying so."""
+    found by name or created, waited for at most `timeout_s`; a cluster with too few GPUs is an error saying so."""
     name = pool.node_group_name(node)
     try:
         return ray.util.get_placement_group(name)
@@ -171,22 +181,21 @@ def node_placement_group(pool: GpuPool, node: int):
             f"trainer.nnodes={pool.nnodes}) but the Ray cluster has {have:g}; set trainer.n_gpus_per_node=0 "
             "for a CPU run, or attach to a cluster with enough GPUs (ray.address)."
         )
-    pg = ray.util.placement_group(
-        [{"GPU": 1}] * pool.n_gpus_per_node, strategy="STRICT_PACK", name=name, lifetime="detached"
+    bundles = [{"GPU": 1.0}] * pool.n_gpus_per_node
+    pg = ray.util.placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached")
+    return wait_placed(
+        pg,
+        f"{name} (STRICT_PACK: all on one node; lower trainer.n_gpus_per_node to the GPUs of one node or free them)",
+        bundles,
+        timeout_s,
     )
-    if not pg.wait(timeout_seconds=PG_READY_TIMEOUT_S):
-        ray.util.remove_placement_group(pg)
-        raise RuntimeError(
-            f"placement group {name} ({pool.n_gpus_per_node} GPUs on one node) was not placed within "
-            f"{PG_READY_TIMEOUT_S:g} s: no node has {pool.n_gpus_per_node} free GPUs; lower "
-            "trainer.n_gpus_per_node to the GPUs of one node or free them."
-        )
-    return pg
 
 
-def role_placement_group(name: str, bundles: list[dict[str, float]]):
+def role_placement_group(name: str, bundles: list[dict[str, float]], timeout_s: float = PG_READY_TIMEOUT_S):
     """The detached PACK placement group `name` with `bundles` (one per rank), found by name when it has exactly
-    those bundles, else (re)made and waited for; a cluster that cannot hold them is an error saying so."""
+    those bundles, else (re)made; waited for at most `timeout_s` (ray.placement_timeout_s). A group whose bundles
+    were on a lost node (Ray reschedules them) waits for remaining or new capacity just as long; a cluster that
+    cannot hold them in time is a PlacementTimeoutError saying so, never a silent wait."""
     try:
         pg = ray.util.get_placement_group(name)
     except ValueError:  # none of that name yet
@@ -195,17 +204,35 @@ def role_placement_group(name: str, bundles: list[dict[str, float]]):
         table = ray.util.placement_group_table(pg)
         have = [table["bundles"][i] for i in sorted(table["bundles"])]
         if have == bundles and table["strategy"] == "PACK" and table["state"] != "REMOVED":
-            return pg
+            if table["state"] != "CREATED":
+                log.warning(
+                    "placement group %s is %s (a node holding its bundles was lost): waiting up to %g s "
+                    "for Ray to place it again",
+                    name,
+                    table["state"],
+                    timeout_s,
+                )
+            return wait_placed(pg, name, bundles, timeout_s)
         ray.util.remove_placement_group(pg)  # the role's size or resources changed: its workers are rebuilt
     pg = ray.util.placement_group(bundles, strategy="PACK", name=name, lifetime="detached")
-    if not pg.wait(timeout_seconds=PG_READY_TIMEOUT_S):
-        ray.util.remove_placement_group(pg)
-        raise RuntimeError(
-            f"placement group {name} ({len(bundles)} bundles of {bundles[0]}) was not placed within "
-            f"{PG_READY_TIMEOUT_S:g} s: the Ray cluster has {ray.available_resources()} free; lower that role's "
-            "num_workers or its ray.resources_per_worker, or add nodes with those resources."
-        )
-    return pg
+    return wait_placed(pg, name, bundles, timeout_s)
+
+
+def wait_placed(pg, name: str, bundles: list[dict[str, float]], timeout_s: float):
+    """`pg` once Ray placed all its bundles; after `timeout_s` the group is removed (its workers are rebuilt
+    from scratch on a retry) and a PlacementTimeoutError says what was missing and how to fix it."""
+    if pg.wait(timeout_seconds=timeout_s):
+        return pg
+    ray.util.remove_placement_group(pg)
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    free = ray.available_resources()
+    have = {key: free.get(key, 0.0) for key in bundles[0]}
+    raise PlacementTimeoutError(
+        f"placement group {name} ({len(bundles)} bundles of {bundles[0]}) was not placed within {timeout_s:g} s "
+        f"(ray.placement_timeout_s): the Ray cluster's {alive} live nodes have {have} free in all, e.g. after "
+        "losing a node. Add nodes with those resources, or lower that role's num_workers or its "
+        "ray.resources_per_worker; `rlake train` retries the iteration (trainer.max_iteration_retries)."
+    )
 
 
 def _bundle_options(bundle: Mapping[str, float]) -> dict[str, Any]:
@@ -220,9 +247,10 @@ def _bundle_options(bundle: Mapping[str, float]) -> dict[str, Any]:
     return {**opts, "resources": custom} if custom else opts
 
 
-def actor_options(placement: RankPlacement) -> dict[str, Any]:
+def actor_options(placement: RankPlacement, timeout_s: float = PG_READY_TIMEOUT_S) -> dict[str, Any]:
     """Ray actor .options() for a rank: its own role's bundle (ray.resources_per_worker; the group exists, made
-    by role_placement_group), or on GPUs num_gpus and its GPU-pool bundle; {} on a CPU run."""
+    by role_placement_group), or on GPUs num_gpus and its GPU-pool bundle (placed within `timeout_s`); {} on a
+    CPU run."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 - placed runs only
 
     if placement.group is not None:
@@ -232,7 +260,7 @@ def actor_options(placement: RankPlacement) -> dict[str, Any]:
         return {**_bundle_options(dict(placement.resources)), "scheduling_strategy": strategy}
     if placement.pool is None:
         return {}
-    pg = node_placement_group(placement.pool, placement.node)
+    pg = node_placement_group(placement.pool, placement.node, timeout_s)
     return {
         "num_gpus": placement.num_gpus,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
