@@ -127,6 +127,9 @@ def _write_block(df: pd.DataFrame, *, uri: str, options: dict | None, name: str,
     """One write task: the block cast to the table's schema, one Parquet file in the partition's directory;
     returns its file record (one row) for the caller's commit."""
     table = to_arrow(name, df.assign(run_id=run_id, iteration=iteration)).drop_columns(list(KEYS))
+    # no pandas metadata in the file: a Ray Data block's ArrowDtype names ('list<item: int32>[pyarrow]') are not
+    # dtypes pandas can parse back, and a whole-partition read (the Delta schema) never had them
+    table = table.replace_schema_metadata(None)
     rel = f"run_id={run_id}/iteration={iteration}/part-{uuid.uuid4().hex}.parquet"
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="snappy")

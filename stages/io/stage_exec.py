@@ -95,8 +95,8 @@ def iter_partition_batches(
             wanted = _columns_of(ds.schema, reader.schema_arrow, columns)
             have = [c for c in wanted if c in reader.schema_arrow.names]
             for batch in reader.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=have, use_threads=False):
-                if batch.num_rows:
-                    yield _with_nulls(batch, ds.schema, wanted).to_pandas()
+                if batch.num_rows:  # without pandas metadata, as a whole read (the Delta schema has none)
+                    yield _with_nulls(batch, ds.schema, wanted).replace_schema_metadata(None).to_pandas()
 
 
 def _columns_of(table: pa.Schema, file: pa.Schema, columns: list[str] | None) -> list[str]:

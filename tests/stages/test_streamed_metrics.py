@@ -7,11 +7,12 @@ import math
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.io import store
-from stages.io.stage_exec import Partition, iter_partition_batches
+from stages.io.stage_exec import Partition, iter_partition_batches, run_table_stage
 from stages.metrics import iteration_metrics, rollout_metrics
 
 RUN = "m"
@@ -118,3 +119,20 @@ def test_batches_fill_columns_older_files_lack(tmp_path) -> None:
     (batch,) = iter_partition_batches(uri, RUN, 0, columns=["reward", "acc", "no_such_column"])
     assert list(batch.columns) == ["reward", "acc"] and batch["acc"].isna().all()
     assert batch["reward"].equals(store.read_partition(uri, RUN, 0)["reward"])
+
+
+def test_batches_read_files_written_from_arrow_backed_frames(tmp_path) -> None:
+    """A stage output whose frame has Arrow-backed columns (Ray Data's pandas batches) streams back as a whole
+    read gives it (the files used to carry pandas metadata naming dtypes pandas cannot parse back)."""
+    source, target = str(tmp_path / "scored_rollouts"), str(tmp_path / "out")
+    store.write_partition(
+        source, "scored_rollouts", _scored(16, np.random.default_rng(2)), run_id=RUN, iteration=0, lineage={}
+    )
+    tokens = pd.ArrowDtype(pa.list_(pa.int32()))
+    arrow_backed = lambda df: df.assign(prompt_token_ids=pd.array(df["prompt_token_ids"].tolist(), dtype=tokens))  # noqa: E731
+    run_table_stage(arrow_backed, source, target, "scored_rollouts", run_id=RUN, iteration=0, version=None, lineage={})
+    (batch,) = iter_partition_batches(target, RUN, 0)
+    assert (
+        batch["prompt_token_ids"].map(list).tolist()
+        == store.read_partition(target, RUN, 0)["prompt_token_ids"].map(list).tolist()
+    )
