@@ -1,4 +1,8 @@
-"""Iteration metrics with verl's names (critic/score/mean, response_length/mean, ...)."""
+"""Iteration metrics with verl's names (critic/score/mean, response_length/mean, ...).
+
+The iteration_metrics stage streams its two partitions (streamed_rollout_metrics): per-row values stay (a few
+numbers per rollout), token columns reduce batch by batch; rollout_metrics is the same computation on whole
+frames."""
 
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ SCORED_COLUMNS = (
     "score",
 )
 """The scored_rollouts columns rollout_metrics reads; the list columns among them are reduced per batch (row_counts)."""
+LIST_COLUMNS = ("prompt_token_ids", "response_mask", "turns")
 
 ADVANTAGE_SCALARS = ("group_id", "advantage", "kl_coef", "reward_kl")
 PROBS_COLUMNS = ("old_logprobs", "rollout_logprobs", "response_token_ids", "response_mask")
@@ -55,8 +60,8 @@ PROBS_COLUMNS = ("old_logprobs", "rollout_logprobs", "response_token_ids", "resp
 
 def row_counts(scored: pd.DataFrame) -> pd.DataFrame:
     """Scored rollouts with their list columns reduced to what the metrics count: prompt_token_ids to
-    prompt_length, response_mask to model_tokens (+ has_mask), turns to num_turns / tool_calls / tool_errors
-    (+ has_turns); scalar columns as they are. Row-wise, so a partition's batches reduce one at a time."""
+    prompt_length, response_mask to model_tokens (+ has_mask), turns to num_turns / tool_calls / tool_errors;
+    scalar columns as they are. Row-wise, so a partition's batches reduce one at a time."""
     out = scored[[c for c in SCORED_COLUMNS if c in scored and c not in LIST_COLUMNS]].copy()
     out["prompt_length"] = scored["prompt_token_ids"].map(len).to_numpy(dtype=np.int64)
     if "response_mask" in scored:
@@ -71,9 +76,6 @@ def row_counts(scored: pd.DataFrame) -> pd.DataFrame:
         out["tool_calls"] = np.array([len(t) for t in tools], dtype=np.int64)
         out["tool_errors"] = np.array([sum(x["error"] is not None for x in t) for t in tools], dtype=np.int64)
     return out
-
-
-LIST_COLUMNS = ("prompt_token_ids", "response_mask", "turns")
 
 
 def rollout_metrics(scored: pd.DataFrame, advantages: pd.DataFrame, max_response_length: int) -> dict[str, float]:
