@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,33 @@ class RayNode:
     def kill(self) -> None:
         """Stop the node by its process group (the node script kills its raylet et al. on SIGTERM)."""
         stop_pid(self.proc, grace_s=15)
+
+    def lose(self) -> list[int]:
+        """Lose the node as a crash or power cut would: SIGKILL at once every process in its mount namespace (the
+        node script, raylet, object store, workers), so nothing unregisters and Ray learns of it only through its
+        health checks. Returns the pids killed (all started by this test, found by namespace, not by name)."""
+        ns = os.readlink(f"/proc/{self.proc.pid}/ns/mnt")
+        if ns == os.readlink("/proc/self/ns/mnt"):
+            raise RuntimeError(f"node {self.name} shares this test's mount namespace: its processes are not its own")
+        pids = [pid for pid in _pids() if _mount_ns(pid) == ns]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+        return pids
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _mount_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:  # gone, or not ours to read
+        return None
 
 
 @dataclass

@@ -9,7 +9,8 @@ go through the bucket or Ray's object store. Worker nodes get no S3 credentials 
 the run forwards them with ray.runtime_env.env_vars_from, by a setup hook, so that no node's Ray logs hold them.
 
 The tests share one run and go in order: train 2 iterations, check where things landed, re-score iteration 1
-from a second process through the Postgres instance, kill the rollout node and resume to 3 iterations.
+from a second process through the Postgres instance, replay an update, then continue the run to 4 iterations
+while first the trainer node and then the rollout node crash: it must finish by itself (issue #37).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,16 @@ class Env:
 
     def driver(self, *rlake_args: str, timeout: int = 900) -> subprocess.CompletedProcess:
         """`rlake ...` on the head node (in its mount namespace), DAGSTER_HOME on Postgres."""
+        cmd, env = self._driver_cmd(rlake_args)
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+    def start_driver(self, log: Path, *rlake_args: str) -> subprocess.Popen:
+        """driver() in the background, stdout and stderr to `log`."""
+        cmd, env = self._driver_cmd(rlake_args)
+        with open(log, "wb") as out:
+            return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    def _driver_cmd(self, rlake_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
         home = "/tmp/dagster_home"
         script = textwrap.dedent(f"""
             import os, pathlib, sys
@@ -93,8 +105,7 @@ class Env:
             "RLAKE_TEST_DAGSTER_PG_URL": self.dagster_pg,
         }
         head = self.cluster.node("head").proc.pid
-        cmd = ["nsenter", "-t", str(head), "-m", "--", sys.executable, "-c", script]
-        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return ["nsenter", "-t", str(head), "-m", "--", sys.executable, "-c", script], env
 
     def table(self, name: str) -> DeltaTable:
         return DeltaTable(f"{self.s3.root(PREFIX)}/tables/{name}", storage_options={**self.s3.env})
@@ -244,16 +255,145 @@ def test_replay_of_an_update_trained_on_another_node(env, trained):
     assert "weights" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_resume_after_losing_the_rollout_node(env, trained):
-    env.cluster.node("b").kill()
-    env.cluster.add_node("c", 2, {"rollout_node": 1})
-    proc = env.driver("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, "--steps", "3", *env.overrides())
-    _ok(proc)
-    metrics = env.table("iteration_metrics").to_pandas()
-    assert sorted({i for i in metrics[metrics.run_id == RUN_ID].iteration if i >= 0}) == [0, 1, 2]
-    rollouts = env.table("rollouts").to_pandas(partitions=[("run_id", "=", RUN_ID), ("iteration", "=", "2")])
-    assert set(rollouts.policy_version) == {2}
-    placed = env.table("workers").to_pandas()
-    assert set(placed[(placed.run_id == RUN_ID) & (placed.role == "rollout") & (placed.iteration == 2)].node_id) == {
-        env.cluster.node("c").node_id
-    }
+KEYS = {
+    "prompts": ["iteration", "split", "prompt_id"],
+    "prompt_batches": ["iteration", "gen_round", "position"],
+    "rollouts": ["iteration", "rollout_id"],
+    "scored_rollouts": ["iteration", "rollout_id"],
+    "old_logprobs": ["iteration", "rollout_id"],
+    "ref_logprobs": ["iteration", "rollout_id"],
+    "advantages": ["iteration", "rollout_id"],
+    "iteration_metrics": ["iteration", "metric"],
+    "checkpoints": ["kind", "version"],
+    "workers": ["iteration", "role", "rank"],
+}
+"""The key of one row of each table of a run: a re-run iteration must replace its rows, never add to them."""
+PER_ITERATION = ("prompt_batches", "rollouts", "scored_rollouts", "advantages", "iteration_metrics", "workers")
+
+
+def _wait_for(what: str, cond, proc: subprocess.Popen, log: Path, timeout: float = 600) -> float:
+    """Poll cond() until true; the time it became true. The driver exiting first is a failure with its output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        assert proc.poll() is None, f"driver exited {proc.returncode} before {what}:\n{log.read_text()[-6000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not seen in {timeout:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def _committed(env, table: str, it: int) -> bool:
+    """Iteration `it` of RUN_ID has rows in `table` (the stage committed)."""
+    try:
+        ds = env.table(table).to_pyarrow_dataset(partitions=[("run_id", "=", RUN_ID), ("iteration", "=", str(it))])
+    except Exception:  # TableNotFoundError, or a commit being written
+        return False
+    return ds.count_rows() > 0
+
+
+def _lose_and_replace(env, lost: str, new: str, resource: str) -> float:
+    """Crash node `lost` (SIGKILL of all its processes), then start node `new` with the role's resource: the
+    capacity the rebuilt group gets. Returns when the kill happened."""
+    t_kill = time.monotonic()
+    env.cluster.node(lost).lose()
+    print(f"{time.strftime('%H:%M:%S')} lost node {lost}")
+    env.cluster.add_node(new, 2, {resource: 1})
+    print(f"{time.strftime('%H:%M:%S')} node {new} up ({time.monotonic() - t_kill:.1f} s after the loss)")
+    return t_kill
+
+
+def test_run_survives_losing_the_trainer_node_then_the_rollout_node(env, trained, tmp_path):
+    """Issue #37: one `rlake train` to iteration 4 loses the trainer node while iteration 2's trainer work runs,
+    then the rollout node as iteration 3 starts generating; each time the stage fails fast, the workers are
+    rebuilt on new capacity from the bucket's checkpoint and the run finishes by itself, with no resume."""
+    log = tmp_path / "driver.log"
+    t0 = time.monotonic()
+    args = ("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, *env.overrides())
+    proc = env.start_driver(log, *args, "trainer.total_training_steps=4")  # validation after iteration 3 too
+    try:
+        _wait_for("rollouts of iteration 2", lambda: _committed(env, "rollouts", 2), proc, log)
+        kill_a = _lose_and_replace(env, "a", "a2", "trainer_node")
+        done_2 = _wait_for("iteration 2 done", lambda: _committed(env, "iteration_metrics", 2), proc, log)
+        _wait_for("prompt batch of iteration 3", lambda: _committed(env, "prompt_batches", 3), proc, log)
+        kill_b = _lose_and_replace(env, "b", "c", "rollout_node")
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    end, out = time.monotonic(), log.read_text(errors="replace")
+    print(f"trainer node lost -> iteration 2 done: {done_2 - kill_a:.1f} s; rollout node lost -> run done: "
+          f"{end - kill_b:.1f} s; whole run {end - t0:.1f} s")  # fmt: skip
+    _print_recovery(env, out)
+    assert rc == 0, out[-6000:]
+    _check_placed_on_new_nodes(env)
+    _check_every_row_once(env, iterations=range(4))
+    _check_mlflow_steps_once(env, steps=range(1, 5))
+
+
+def _print_recovery(env, out: str) -> None:
+    """What the driver said about the losses (its terminal, then its framework log's warnings with their times)."""
+    words = ("lost", "resum", "placement", "retry")
+    print("\n".join(line for line in out.splitlines() if any(w in line for w in words)))
+    logs = sorted(_node_files(env.cluster.node("head"), f"{DRIVER_OUT}/logs"), key=lambda p: p.stat().st_mtime)
+    text = logs[-1].read_text(errors="replace") if logs else ""
+    print("\n".join(line[:300] for line in text.splitlines() if any(w in line for w in words)))
+
+
+def test_no_capacity_fails_fast_and_exits_with_the_resume_command(env, trained):
+    """The trainer node crashes and nothing replaces it: each attempt's placement group fails after
+    ray.placement_timeout_s, the iteration is retried trainer.max_iteration_retries times, then `rlake train` exits
+    with the command that resumes the run. (Its config differs in ray.* only: resume_allow_config_change.)"""
+    env.cluster.node("a2").lose()
+    t0 = time.monotonic()
+    extra = ("ray.placement_timeout_s=5", "trainer.max_iteration_retries=1", "trainer.resume_allow_config_change=true")
+    args = ("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, *env.overrides(), *extra)
+    proc = env.driver(*args, "trainer.total_training_steps=5", timeout=600)
+    took, out = time.monotonic() - t0, proc.stdout + proc.stderr
+    print(f"no capacity: rlake train exited {proc.returncode} after {took:.1f} s")
+    _print_recovery(env, out)
+    assert proc.returncode == 1, out[-6000:]
+    assert "iteration 4 lost a worker (PlacementTimeoutError: placement group rlake:cluster-run:actor" in out, out
+    assert "was not placed within 5 s (ray.placement_timeout_s)" in out and "retry 1 of" in out, out[-6000:]
+    resume = "lost a worker 2 times in a row (trainer.max_iteration_retries=1)"
+    assert resume in out and f"rlake train --config <your config> --run-id {RUN_ID}" in out, out[-6000:]
+
+
+def _check_placed_on_new_nodes(env) -> None:
+    placed = env.table("workers").to_pandas(partitions=[("run_id", "=", RUN_ID)])
+    node = {name: env.cluster.node(name).node_id for name in ("a", "a2", "c")}
+    for role, it, want in (("actor", 1, "a"), ("actor", 2, "a2"), ("actor", 3, "a2"), ("rollout", 3, "c")):
+        got = set(placed[(placed.role == role) & (placed.iteration == it)].node_id)
+        assert got == {node[want]}, (role, it, want, placed[["iteration", "role", "rank", "node_ip", "node_id"]])
+
+
+def _check_every_row_once(env, iterations: range) -> None:
+    """Every table of the run holds each row once (its KEYS), and each iteration's rows are all there."""
+    tables = {k.split("/")[2] for k in env.s3.keys(f"{PREFIX}/tables/") if "/_delta_log/" in k}
+    assert set(PER_ITERATION) <= tables, tables
+    for name in sorted(tables):
+        df = env.table(name).to_pandas(partitions=[("run_id", "=", RUN_ID)])
+        assert name in KEYS, f"table {name} has no row key in KEYS: add one, so its rows are checked too"
+        key = KEYS[name]
+        dup = df[df.duplicated(key, keep=False)]
+        assert dup.empty, (name, key, dup[key].head(10))
+        if name in PER_ITERATION:
+            assert set(iterations) <= set(df.iteration), (name, sorted(set(df.iteration)))
+    rollouts = env.table("rollouts").to_pandas(partitions=[("run_id", "=", RUN_ID)])
+    assert rollouts.groupby("iteration").size().to_dict() == {i: 32 for i in iterations}  # 8 prompts x 4
+    assert {it: set(g.policy_version) for it, g in rollouts.groupby("iteration")} == {i: {i} for i in iterations}
+    ckpt = env.table("checkpoints").to_pandas(partitions=[("run_id", "=", RUN_ID)])
+    assert sorted(ckpt[ckpt.kind == "policy"].version) == list(range(len(iterations) + 1)), ckpt
+
+
+def _check_mlflow_steps_once(env, steps: range) -> None:
+    """The MLflow run has one point per step of every metric: no iteration was logged twice."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=env.mlflow.url)
+    exp = client.get_experiment_by_name("rlake-ci")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`rlake.run_id` = '{RUN_ID}'")
+    assert "actor/pg_loss" in run.data.metrics, sorted(run.data.metrics)
+    for metric in sorted(run.data.metrics):
+        points = [p.step for p in client.get_metric_history(run.info.run_id, metric)]
+        assert len(points) == len(set(points)), (metric, sorted(points))
+    assert sorted(p.step for p in client.get_metric_history(run.info.run_id, "actor/pg_loss")) == list(steps)
