@@ -79,16 +79,12 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     del attention_mask  # packed forwards have none: the bounds are cu_seq_lens_q
     if kwargs.get("sliding_window") is not None:
         raise ValueError("sequence packing does not support sliding-window attention; set actor.use_dynamic_bsz=False")
-    cu = kwargs.pop("cu_seq_lens_q").tolist()
+    lens = kwargs.pop("cu_seq_lens_q").diff().tolist()
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(name, None)
-    outs = [
-        sdpa_attention_forward(
-            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, is_causal=True, **kwargs
-        )[0]
-        for s, e in zip(cu[:-1], cu[1:], strict=True)
-        if e > s
-    ]
+    # split, not slicing: its backward is one cat, where each slice's backward would fill a whole (1, heads, T, d)
+    parts = zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2), strict=True)
+    outs = [sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0] for q, k, v in parts]
     return torch.cat(outs, dim=1), None
 
 
