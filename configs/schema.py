@@ -1114,7 +1114,7 @@ class RunConfig(_Strict):
             if megatron
             else self.actor.ppo_micro_batch_size
         )
-        if (rollouts // dp) % micro != 0:
+        if not self.actor.use_dynamic_bsz and (rollouts // dp) % micro != 0:  # dynamic: token budgets instead
             raise ValueError(
                 f"the micro-batch size ({micro}) must divide the {rollouts // dp} rollouts each "
                 "data-parallel worker gets per mini-batch (ppo_mini_batch_size x rollout.n / DP); pick a divisor."

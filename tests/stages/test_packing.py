@@ -113,3 +113,14 @@ def test_ref_and_old_logprob_passes_packed(tiny_checkpoint) -> None:
         assert len(a) == len(b) == len(c) == n
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.tensor(c), torch.tensor(a), atol=1e-5, rtol=0)
+
+
+def test_config_dynamic_bsz_frees_the_micro_batch_size_and_refuses_megatron() -> None:
+    from pydantic import ValidationError
+
+    from configs.schema import load_config
+
+    cfg = load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size=7"])  # 7 divides nothing
+    assert cfg.actor.ppo_max_token_len_per_gpu == cfg.actor.log_prob_max_token_len_per_gpu == 16384  # verl's
+    with pytest.raises(ValidationError, match="use_dynamic_bsz=True is not supported with actor.strategy='megatron'"):
+        ActorConfig(use_dynamic_bsz=True, strategy="megatron")
