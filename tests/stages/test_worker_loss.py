@@ -80,3 +80,40 @@ def test_a_placement_group_without_capacity_fails_within_the_timeout(ray_session
     assert "trainer.max_iteration_retries" in message and "Add nodes with those resources" in message, message
     live = [g for g in ray_session.util.placement_group_table().values() if g.get("name") == name]
     assert all(g["state"] == "REMOVED" for g in live), live
+
+
+def _all_reduce_with_a_dying_peer(rank: int, store: str, out) -> None:
+    """Rank 1 exits mid-run (a crashed process); rank 0's next all-reduce reports it, put on `out`."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(1)
+    time.sleep(0.5)
+    try:
+        dist.all_reduce(torch.ones(4))
+        out.put(None)
+    except RuntimeError as exc:
+        out.put(str(exc))
+
+
+def test_a_gloo_rank_whose_peer_died_counts_as_worker_loss(tmp_path, monkeypatch) -> None:
+    """A real 2-rank gloo group (spawned processes): the survivor's RuntimeError, inside the RayTaskError a worker
+    group raises, is a lost worker, not an error of the work."""
+    import multiprocessing as mp
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_with_a_dying_peer, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    message = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    assert message is not None and "Connection closed by peer" in message, message
+    assert is_worker_loss(RayTaskError("ActorWorker.update", "traceback", RuntimeError(message)))
