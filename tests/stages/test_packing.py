@@ -124,3 +124,45 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size_and_refuses_megatron() ->
     assert cfg.actor.ppo_max_token_len_per_gpu == cfg.actor.log_prob_max_token_len_per_gpu == 16384  # verl's
     with pytest.raises(ValidationError, match="use_dynamic_bsz=True is not supported with actor.strategy='megatron'"):
         ActorConfig(use_dynamic_bsz=True, strategy="megatron")
+
+
+def _dp_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64), V, seed=0).double()
+        before = [p.detach().clone() for p in model.parameters()]
+        cfg = ActorConfig(loss_agg_mode="seq-mean-token-mean", ppo_mini_batch_size=1, use_dynamic_bsz=True,
+                          ppo_max_token_len_per_gpu=12, log_prob_max_token_len_per_gpu=12, entropy_coeff=0.01,
+                          use_kl_loss=True)  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        mine = slice(3 * rank, 3 * rank + 3)  # shard_for_rank's halves of the one mini-batch of 6 rows
+        r = {k: v[mine] for k, v in rows().items()}
+        metrics = ppo_update(model, opt, sched, r, cfg, n_per_prompt=6, pad_id=0, temperature=0.7,
+                             ddp_model=DistributedDataParallel(model))  # fmt: skip
+        if rank == 0:
+            torch.save((metrics, [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_update_on_two_ranks_equals_one_padded_rank(tmp_path) -> None:
+    """Two gloo ranks (DDP), 3 rows each, packed micro-batches by a budget of 12 tokens: rank 0's rows (7 + 7 + 11
+    tokens) need 3 micro-batches, rank 1's (3 + 9 + 7) 2, so both run 3 (the max over ranks); the step equals
+    one padded rank's over all 6 rows."""
+    import torch.multiprocessing as mp
+
+    from stages.io.ports import free_port
+
+    out = tmp_path / "dp.pt"
+    mp.spawn(_dp_rank, args=(free_port(), str(out)), nprocs=2, join=True)
+    metrics, delta = torch.load(out)
+    ref, ref_delta = update_delta("seq-mean-token-mean", dynamic=False)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+        assert metrics[key] == pytest.approx(ref[key], abs=1e-6, rel=1e-6), key
+    for a, b in zip(delta, ref_delta, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
