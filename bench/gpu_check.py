@@ -345,6 +345,7 @@ def section_passes(args: argparse.Namespace) -> list[dict]:
     lens = batch["attention_mask"].sum(-1).tolist()
     pad = padding_share(batch["attention_mask"])
     out = [{"check": "bf16 peak, measured", "result": f"{peak:.0f} TFLOP/s", "detail": "8192^3 matmul, mean of 10"}]
+    olds = {}
     for mode, budget in (("padded", None), ("packed", args.pass_budget)):
         mb = cfg.actor.ppo_micro_batch_size
 
@@ -352,11 +353,15 @@ def section_passes(args: argparse.Namespace) -> list[dict]:
             return compute_logprobs(model, batch, mb, param_dtype="bfloat16", max_token_len=budget)
 
         old, host, dev = device_timed(logprobs, device)
+        olds[mode] = old
         flops = update_flops(arch, lens, epochs=0, forward_passes=1)
         out.append(_pass_row(f"log-prob pass, {mode}", host, dev, flops, peak, args.peak_tflops, sum(lens), pad, mode))
         host, dev = _timed_update(model, cfg, rows, old, mode, args.pass_budget, tok.pad_token_id, device)
         flops = update_flops(arch, lens, epochs=cfg.actor.ppo_epochs)
         out.append(_pass_row(f"update, {mode}", host, dev, flops, peak, args.peak_tflops, sum(lens), pad, mode))
+    mask = batch["response_mask"].bool().to(device)
+    gap = float((olds["packed"] - olds["padded"]).abs()[mask].max())
+    out.append({"check": "packed vs padded log-probs, max abs diff", "result": f"{gap:.2e}", "detail": "bf16 autocast"})
     out.append(_scoring_row(cfg, tok, rows))
     return out
 

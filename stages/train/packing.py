@@ -10,8 +10,10 @@ Choices:
 - Packing (verl's remove-padding): a micro-batch's sequences are concatenated into one row (1, T) without
   padding, each with its own position ids 0..len-1 and cu_seqlens. Attention stays inside each sequence:
   with flash_attention_2 (GPU) transformers runs flash-attn's varlen kernel from cu_seq_lens_q/k; any other
-  implementation is switched, for the packed forward only, to `rlake_varlen` (registered here), which runs
-  sdpa causally on each sequence's slice (exact block-diagonal causal attention, cost sum(len^2), no (T, T) mask).
+  implementation is switched, for the packed forward only, to `rlake_varlen` (registered here): torch's own
+  flash-attn varlen kernel (torch.nn.attention.varlen) on a GPU at bf16/fp16 where the installed torch has it,
+  else sdpa causally on each sequence's part (exact block-diagonal causal attention, cost sum(len^2), no (T, T)
+  mask; the CPU path, and what the equality tests run).
 - Only the positions that predict response tokens go through the LM head (`logits_to_keep` as indices), and
   log-probs and entropy are scattered back into the padded (n, L) layout the losses take, 0 on padding: the
   padded path's values there are masked out of every loss term, so the loss and its gradient are the same.
@@ -22,6 +24,7 @@ of the micro-batch, V vocab.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -75,17 +78,63 @@ def split_by_tokens(idx: Tensor, token_lengths: Tensor, max_tokens: int, min_cou
 
 def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
     """Causal attention inside each packed sequence: query/key/value (1, heads, T, head_dim), the sequences'
-    bounds in kwargs["cu_seq_lens_q"] (S+1,). Returns ((1, T, heads, head_dim), None) as sdpa's does."""
+    bounds in kwargs["cu_seq_lens_q"] (S+1,). Returns ((1, T, heads, head_dim), None) as sdpa's does: torch's
+    flash-attn varlen kernel on a GPU at bf16/fp16 where this torch has it, else sdpa on each sequence."""
     del attention_mask  # packed forwards have none: the bounds are cu_seq_lens_q
     if kwargs.get("sliding_window") is not None:
         raise ValueError("sequence packing does not support sliding-window attention; set actor.use_dynamic_bsz=False")
-    lens = kwargs.pop("cu_seq_lens_q").diff().tolist()
+    cu = kwargs.pop("cu_seq_lens_q")
+    fused = _cuda_varlen(query, key, value, cu, kwargs.get("max_length_q"), kwargs.get("scaling"))
+    if fused is not None:
+        return fused, None
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(name, None)
+    lens = cu.diff().tolist()
     # split, not slicing: its backward is one cat, where each slice's backward would fill a whole (1, heads, T, d)
     parts = zip(query.split(lens, dim=2), key.split(lens, dim=2), value.split(lens, dim=2), strict=True)
     outs = [sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0] for q, k, v in parts]
     return torch.cat(outs, dim=1), None
+
+
+def _torch_varlen_fn():
+    """(torch.nn.attention.varlen.varlen_attn, its causal keyword arguments) or None where this torch lacks it
+    (its causal switch was is_causal=True in its first releases, window_size=(-1, 0) later)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 - a recent torch only
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = (
+        {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params else None
+    )
+    return None if causal is None else (varlen_attn, causal, "enable_gqa" in params)
+
+
+TORCH_VARLEN = _torch_varlen_fn()
+
+
+def _cuda_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len, scale) -> Tensor | None:
+    """(1, T, heads, head_dim) from torch's flash-attn varlen kernel, or None where it cannot run (CPU, float32,
+    no such kernel in this torch). query (1, heads, T, d), key/value (1, kv_heads, T, d): transposed to (T, h, d)."""
+    if TORCH_VARLEN is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return flash_varlen(TORCH_VARLEN, query, key, value, cu, max_len, scale)
+
+
+def flash_varlen(spec, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len, scale) -> Tensor:
+    """_cuda_varlen's call of spec = (varlen_attn, its causal keywords, whether it takes enable_gqa)."""
+    fn, causal, has_gqa = spec
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, h, d)
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if has_gqa:
+            gqa = {"enable_gqa": True}
+        else:  # each kv head serves the next heads / kv_heads query heads, as transformers' repeat_kv
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    max_len = int(max_len) if max_len is not None else int(cu.diff().max())
+    out = fn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **gqa)  # (T, h, d)
+    return out[None]
 
 
 AttentionInterface.register(VARLEN, varlen_attention)

@@ -166,3 +166,32 @@ def test_packed_update_on_two_ranks_equals_one_padded_rank(tmp_path) -> None:
         assert metrics[key] == pytest.approx(ref[key], abs=1e-6, rel=1e-6), key
     for a, b in zip(delta, ref_delta, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_flash_varlen_layout_and_gqa() -> None:
+    """The GPU kernel's call (flash_varlen): (1, h, T, d) -> (T, h, d) and back, kv heads repeated as transformers'
+    repeat_kv when the kernel has no enable_gqa. torch's varlen_attn runs on CUDA only, so a per-sequence causal
+    sdpa in its (T, h, d) layout stands in for it here; the result must equal the CPU path (varlen_attention)."""
+    from types import SimpleNamespace
+
+    from stages.train.packing import flash_varlen, varlen_attention
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and q.shape[1] == k.shape[1], "causal, kv heads already repeated"
+        bounds = cu_q.tolist()
+        outs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        return torch.cat(outs)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))  # 2 kv heads for 4
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    got = flash_varlen((kernel, {"window_size": (-1, 0)}, False), q, k, v, cu, 4, 0.3)  # (1, T, h, d)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    want, _ = varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, scaling=0.3, dropout=0.0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
