@@ -77,9 +77,15 @@ def _open(uri: str, storage_options: Options) -> tuple[str, dict[str, str] | Non
     return uris.target(uri), uris.options_of(uri, storage_options)
 
 
-_TABLES: dict[tuple[str, str], tuple[DeltaTable, tuple | None]] = {}
-"""This process's open copy of each table's newest version (open_table), with its creation stamp (_created)."""
+_TABLES: dict[tuple[str, str], tuple[DeltaTable, tuple | None, int]] = {}
+"""This process's open copy of each table's newest version (open_table), with its creation stamp (_created) and
+the version it was opened at."""
 _TABLES_LOCK = threading.Lock()
+
+REOPEN_AFTER = 16
+"""Commits an open table absorbs incrementally before open_table opens it anew. delta-rs keeps every commit applied
+since the open in the table's log segment and replays them on each scan and write: measured on a 16-row-per-
+partition table, a write through a table opened 420 commits earlier took 136 ms, through a fresh one 13 ms."""
 
 
 def _created(path: str) -> tuple | None:
@@ -100,18 +106,18 @@ def open_table(uri: str, *, version: int | None = None, storage_options: Options
     The newest version comes from this process's open copy of the table, brought up to date incrementally: only
     the commits made since it was last used are read (DeltaTable.update_incremental). Opening a table reads its
     last checkpoint, whose file list holds every partition ever written, so opening it per look-up made every
-    iteration's bookkeeping grow with the run (#36). An older version (time travel) is opened anew. The newest
+    iteration's bookkeeping grow with the run (#36); after REOPEN_AFTER commits it is opened anew, as delta-rs
+    replays every commit applied since the open. An older version (time travel) is opened anew. The newest
     table is shared: read it or write through it, never load_as_version it."""
     path, opts = _open(uri, storage_options)
     key, stamp = (path, json.dumps(opts or {}, sort_keys=True)), _created(path)
     with _TABLES_LOCK:
-        cached = _TABLES.get(key)
-        if cached is not None and cached[1] == stamp:
-            table = cached[0]
+        table, created, opened_at = _TABLES.get(key, (None, None, 0))
+        if table is not None and created == stamp:
             table.update_incremental()
-        else:
+        if table is None or created != stamp or table.version() - opened_at > REOPEN_AFTER:
             table = DeltaTable(path, storage_options=opts)
-            _TABLES[key] = (table, stamp)
+            _TABLES[key] = (table, stamp, table.version())
     if version is None or version == table.version():
         return table
     return DeltaTable(path, version=version, storage_options=opts)

@@ -45,3 +45,17 @@ def test_a_table_created_again_at_the_same_path_is_opened_anew(tmp_path) -> None
     assert _write(uri, 5, 7) == 0  # a new table: its version 0, not the old one's version 3
     assert store.open_table(uri).version() == 0
     assert store.read_partition(uri, RUN, 5)["value"].tolist() == [7.0]
+
+
+def test_an_open_table_is_opened_anew_after_reopen_after_commits(tmp_path, monkeypatch) -> None:
+    """delta-rs replays every commit an open table absorbed on each scan and write: the copy is renewed."""
+    monkeypatch.setattr(store, "REOPEN_AFTER", 2)
+    uri = str(tmp_path / "iteration_metrics")
+    _write(uri, 0, 0)
+    first = store.open_table(uri)
+    for it in (1, 2):
+        _write(uri, it, it)
+        assert store.open_table(uri) is first
+    _write(uri, 3, 3)  # the third commit since the open
+    renewed = store.open_table(uri)
+    assert renewed is not first and renewed.version() == 3 and store.open_table(uri) is renewed
