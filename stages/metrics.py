@@ -16,8 +16,7 @@ from stages.algos.val_metrics import process_validation_metrics, val_metric_name
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
 from stages.io.stage_exec import Partition
-from stages.old_logprobs import probs_gap
-from stages.train.batching import is_null, loss_mask, ragged_to_padded, row_masks
+from stages.train.batching import is_null, loss_mask, row_masks
 from stages.train.critic import critic_metrics
 
 
@@ -177,55 +176,73 @@ class ProbsGap:
     """probs_diff_metrics over an advantages partition read batch by batch: each batch's counted tokens reduce to
     (count, max, means, centred sums of squares and products of the gap and of the two probabilities), merged
     pairwise (Chan et al.), so the mean, unbiased std and Pearson correlation are those of all tokens at once (to
-    rounding); a partition whose tokens all lie in one batch gets that batch's probs_gap exactly."""
+    rounding); a partition whose tokens all lie in one batch gets probs_gap's numbers exactly (the same padded
+    tensors and torch reductions as stages.algos.probs_diff.rollout_probs_diff)."""
 
     def __init__(self, engine: bool = True) -> None:
         self.usable = engine  # False: no engine log-probs, or an advantages table without them (an older rlake)
         self.stats: list[np.ndarray] = []  # per batch with counted tokens: n, max, mean_d, m2_d, mx, my, cxx, cyy, cxy
-        self.first: dict[str, float] = {}  # probs_gap's metrics of the first such batch
-        self.empty: dict[str, float] = {}  # probs_gap's metrics of a batch without counted tokens
+        self.first: dict[str, float] = {}  # the metrics of the first such batch
+        self.seen = False  # a batch was added (with or without counted tokens)
 
     def add(self, advantages: pd.DataFrame) -> None:
         """Fold in a batch of advantages rows (PROBS_COLUMNS)."""
         if not self.usable or "old_logprobs" not in advantages or "rollout_logprobs" not in advantages:
             self.usable = False
             return
-        old = [[] if x is None else list(x) for x in advantages["old_logprobs"]]
+        old = [() if x is None else x for x in advantages["old_logprobs"]]
         if [len(x) for x in old] != advantages["response_token_ids"].map(len).tolist():
             self.usable = False  # an advantages table without them (written by an older rlake)
             return
-        engine = [[] if x is None else list(x) for x in advantages["rollout_logprobs"]]
-        masks = row_masks(advantages.get("response_mask"))  # model tokens only
-        metrics, _, _ = probs_gap(old, engine, masks)
-        x, y = counted_probs(old, engine, masks)
+        engine = [() if x is None else x for x in advantages["rollout_logprobs"]]
+        x, y = counted_probs(old, engine, row_masks(advantages.get("response_mask")))  # model tokens only
+        self.seen = True
         if not x.numel():
-            self.empty = metrics
             return
-        self.first = self.first or metrics
-        d = (x - y).abs()
+        d = (x - y).abs()  # (K,) as rollout_probs_diff's diff[mask]
         mx, my, md = x.mean(), y.mean(), d.mean()
+        if not self.stats:
+            self.first = gap_metrics(x, y, d, md)
         sums = [((d - md) ** 2).sum(), ((x - mx) ** 2).sum(), ((y - my) ** 2).sum(), ((x - mx) * (y - my)).sum()]
         values = [x.numel(), d.max(), md, sums[0], mx, my, *sums[1:]]
         self.stats.append(np.array([float(v) for v in values], dtype=np.float64))
 
     def metrics(self) -> dict[str, float]:
         """The five metrics over every batch added ({} when unusable)."""
-        if not self.usable or not (self.stats or self.empty):
+        if not self.usable or not self.seen:
             return {}
-        if len(self.stats) <= 1:
-            return self.first or self.empty
+        if len(self.stats) <= 1:  # no counted token: valid 0, the rest NaN (verl)
+            return self.first or dict(zip(PROBS_DIFF_KEYS, (0.0, *[float("nan")] * 4), strict=True))
         n, top, md, m2d, mx, my, cxx, cyy, cxy = reduce_stats(self.stats)
         std = float(np.sqrt(m2d / (n - 1)))
         pearson = float(cxy / np.sqrt(cxx * cyy)) if cxx * cyy > 0 else float("nan")
         return dict(zip(PROBS_DIFF_KEYS, (1.0, float(top), float(md), std, pearson), strict=True))
 
 
-def counted_probs(old: list[list[float]], engine: list[list[float]], masks) -> tuple[torch.Tensor, torch.Tensor]:
-    """((K,), (K,)) float64: exp(old_logprobs) and exp(rollout_logprobs) of the K tokens probs_gap counts."""
+def gap_metrics(x: torch.Tensor, y: torch.Tensor, d: torch.Tensor, md: torch.Tensor) -> dict[str, float]:
+    """rollout_probs_diff's five metrics of K >= 1 counted tokens (x, y: (K,) probabilities, d = |x - y|, md its
+    mean), with its reductions; one token has a NaN std and correlation."""
+    std = pearson = float("nan")
+    if d.numel() > 1:
+        std, pearson = d.std().item(), torch.corrcoef(torch.stack([x, y]))[0, 1].item()  # (2, K)
+    return dict(zip(PROBS_DIFF_KEYS, (1.0, d.max().item(), md.item(), std, pearson), strict=True))
+
+
+def counted_probs(old: list, engine: list, masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """((K,), (K,)) float64: exp(old_logprobs) and exp(rollout_logprobs) of the K tokens probs_gap counts, from
+    the same (N, L) padded tensors (old, engine: N arrays or lists of log-probs)."""
     width = max(1, max((len(x) for x in engine), default=1))
     mask = loss_mask([len(x) for x in engine], width, masks).bool()  # (N, L)
-    old_p = ragged_to_padded(old, width).double().exp()  # (N, L)
-    return old_p[mask], ragged_to_padded(engine, width).double().exp()[mask]
+    return _padded(old, width).double().exp()[mask], _padded(engine, width).double().exp()[mask]
+
+
+def _padded(rows: list, width: int) -> torch.Tensor:
+    """(N, width) float32 from N ragged rows, zeros after each row's end: ragged_to_padded's values, filled by
+    numpy slices instead of one tensor per row."""
+    out = np.zeros((len(rows), width), dtype=np.float32)
+    for i, values in enumerate(rows):
+        out[i, : len(values)] = values
+    return torch.from_numpy(out)
 
 
 def reduce_stats(stats: list[np.ndarray]) -> np.ndarray:
