@@ -115,12 +115,21 @@ def open_table(uri: str, *, version: int | None = None, storage_options: Options
         table, created, opened_at = _TABLES.get(key, (None, None, 0))
         if table is not None and created == stamp:
             table.update_incremental()
-        if table is None or created != stamp or table.version() - opened_at > REOPEN_AFTER:
+        if table is None or created != stamp or _stale(table, opened_at):
             table = DeltaTable(path, storage_options=opts)
             _TABLES[key] = (table, stamp, table.version())
     if version is None or version == table.version():
         return table
     return DeltaTable(path, version=version, storage_options=opts)
+
+
+def _stale(table: DeltaTable, opened_at: int) -> bool:
+    """Whether an open copy is opened anew: it absorbed more than REOPEN_AFTER commits, or a checkpoint was written
+    since its open (delta-rs writes one every delta.checkpointInterval commits; a fresh open starts from it and
+    replays nothing, while the copy replays every commit since the checkpoint it was opened from)."""
+    version = table.version()
+    every = int(table.metadata().configuration.get("delta.checkpointInterval", 100))
+    return version - opened_at > REOPEN_AFTER or version // every > opened_at // every
 
 
 def forget_tables() -> None:
