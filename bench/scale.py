@@ -7,7 +7,8 @@
 ids, log-probs, gsm8k `#### N` answers, half right) as a run's rollouts and old_logprobs partitions through the
 store; a FRESH one (the Dagster step's process: the in_process executor runs every step in one) runs what the
 scored_rollouts, advantages and iteration_metrics assets run (recorded-version read, stage function on a local Ray,
-write with lineage, metadata) and reports its RSS after imports, peak RSS after each step and seconds per part.
+write with lineage, metadata) and reports its RSS after imports, each step's own peak RSS (the peak counter reset
+when the step begins) and seconds per part; a third runs the iteration_metrics step alone (its footprint).
 --iterations: grows a run's tables (tiny_cpu's GRPO DAG) one small partition per table per iteration (real writes
 with lineage, MLflow metrics and dataset inputs), and at each N times iteration N's bookkeeping by call site.
 """
@@ -49,6 +50,7 @@ from assets.training import stage_timings
 from stages.advantage import iteration_advantages
 from stages.io import sql
 from stages.io import store as delta
+from stages.io.stage_exec import Partition
 from stages.io.store import code_version
 from stages.io.tables import SCHEMAS
 from stages.io.tracking import delta_dataset_input
@@ -60,6 +62,8 @@ from stages.workers.connect import ensure_ray_for
 
 RUN = "scale"
 GROUP = 8
+STREAMED = ("scored_rollouts", "advantages")
+"""The partitions the iteration_metrics step streams (stages/metrics.py iteration_metrics)."""
 
 
 def peak_mb(now: bool = False) -> float:
@@ -196,22 +200,47 @@ def steps(root: Path) -> dict:
             adv["advantage"].abs().mean(), (adv["advantage"] == 0).mean(), adv["group_id"].nunique()
 
     def metrics():
-        with clock("metrics.read"):
-            scored, _ = read_at_recorded(store, "scored_rollouts", 0)
-            adv, _ = read_at_recorded(store, "advantages", 0)
-        with clock("metrics.compute"):
-            timings = stage_timings(store, RUN, 0)
-            m = iteration_metrics(cfg, scored, adv, update_metrics={}, timings=timings)
-        with clock("metrics.write"):
-            rows = pd.DataFrame({"policy_version": 1, "metric": list(m), "value": list(m.values())})
-            write_table(store, cfg, "iteration_metrics", rows, 0, policy_version=1, upstream={"advantages": 0})
+        metrics_step(cfg, store, clock)
 
+    overall = peak_mb()
     for name, step in (("reward", reward), ("advantages", advantages), ("metrics", metrics)):
-        step()  # its DataFrames go when it returns, as an asset's do
         gc.collect()
-        peaks[name] = peak_mb()
+        reset_peak()
+        step()  # its DataFrames go when it returns, as an asset's do
+        peaks[name] = peak_mb()  # this step's own peak (the counter was reset when it began)
+        overall = max(overall, peaks[name])
     ray.shutdown()
-    return out | {"driver_peak_rss_mb": peak_mb(), "peak_after_mb": peaks, "stage_s": dict(clock)}
+    return out | {"driver_peak_rss_mb": overall, "step_peak_mb": peaks, "stage_s": dict(clock)}
+
+
+def metrics_step(cfg, store, clock: Clock) -> None:
+    """The iteration_metrics step as assets/training.py runs it: the recorded versions, the two partitions streamed."""
+    with clock("metrics.read"):  # the recorded versions only: the stage streams the two partitions
+        scored, adv = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in STREAMED)
+    with clock("metrics.compute"):
+        timings = stage_timings(store, RUN, 0)
+        m = iteration_metrics(scored, adv, update_metrics={}, timings=timings)
+    with clock("metrics.write"):
+        rows = pd.DataFrame({"policy_version": 1, "metric": list(m), "value": list(m.values())})
+        write_table(store, cfg, "iteration_metrics", rows, 0, policy_version=1, upstream={"advantages": 0})
+
+
+def metrics_alone(root: Path) -> dict:
+    """The iteration_metrics step alone in a fresh process, over the partitions the steps phase wrote: its peak RSS
+    above the RSS it started with is the step's own footprint (in the steps phase the advantages step's leftovers
+    hide it)."""
+    (cfg, store), clock = run_of(root), Clock()
+    start = peak_mb(now=True)
+    reset_peak()
+    metrics_step(cfg, store, clock)
+    return {"metrics_alone_start_mb": start, "metrics_alone_peak_mb": peak_mb(), "metrics_alone_s": dict(clock)}
+
+
+def reset_peak() -> None:
+    """Reset this process's peak RSS (Linux: /proc/self/clear_refs 5 resets VmHWM and ru_maxrss to the RSS now),
+    so the next step's peak is its own, not the largest of the steps before it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def run_sizes(sizes: list[int], tokens: int, profile: bool) -> list[dict]:
@@ -220,7 +249,7 @@ def run_sizes(sizes: list[int], tokens: int, profile: bool) -> list[dict]:
     for n in sizes:
         row = {"rollouts": n, "tokens": tokens}
         with tempfile.TemporaryDirectory(prefix="rlake-scale-") as tmp:
-            for phase in ("prepare", "steps"):
+            for phase in PHASES:
                 result = Path(tmp) / f"{phase}.json"
                 cmd = [sys.executable, __file__, "--one-size", str(n), phase, tmp, str(result), "--tokens", str(tokens)]
                 cmd += ["--profile"] if profile else []
@@ -229,6 +258,10 @@ def run_sizes(sizes: list[int], tokens: int, profile: bool) -> list[dict]:
         out.append(row)
         print(f"rollouts={n}: driver peak {row['driver_peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     return out
+
+
+PHASES = {"prepare": None, "steps": steps, "metrics": metrics_alone}
+"""run_sizes' subprocesses per size, in order (prepare: its own function, it takes the size)."""
 
 
 def md(head: list[str], rows: list[list]) -> str:
@@ -246,9 +279,11 @@ STAGES = ("reward", "advantages", "metrics")
 
 def rollouts_tables(rows: list[dict]) -> str:
     head = ["rollouts", "rollouts + old_logprobs writes: peak RSS MB (synthetic build included)"]
-    head += ["driver RSS after imports MB", *(f"peak after {s} MB" for s in STAGES), "**driver peak RSS MB**"]
+    head += ["driver RSS after imports MB", *(f"{s} step's own peak MB" for s in STAGES), "**driver peak RSS MB**"]
     mem = [[r["rollouts"], r["prepare_peak_rss_mb"], r["driver_baseline_rss_mb"]] for r in rows]
-    mem = [m + [r["peak_after_mb"][s] for s in STAGES] + [r["driver_peak_rss_mb"]] for m, r in zip(mem, rows)]
+    mem = [m + [r["step_peak_mb"][s] for s in STAGES] + [r["driver_peak_rss_mb"]] for m, r in zip(mem, rows)]
+    head += ["metrics step alone: RSS at start MB", "its peak MB"]
+    mem = [m + [r["metrics_alone_start_mb"], r["metrics_alone_peak_mb"]] for m, r in zip(mem, rows)]
     parts = ["write rollouts", "write old_logprobs", *rows[0]["stage_s"]]
     secs = [[r["rollouts"], *(r["stage_s"].get(k, r["prepare_s"].get(k)) for k in parts)] for r in rows]
     return md(head, mem) + "\n\nseconds\n\n" + md(["rollouts", *parts], secs)
@@ -288,17 +323,25 @@ def count_delta_calls() -> dict[str, int]:
     replaced by a counting subclass; run_iterations puts the original back)."""
     counts = {"opens": 0, "history": 0}
 
-    class CountingTable(delta.DeltaTable):
+    class CountingTable(ORIGINAL_TABLE):
         def __init__(self, *a, **kw):
             counts["opens"] += 1
             super().__init__(*a, **kw)
 
-        def history(self, *a, **kw):
-            counts["history"] += 1
-            return super().history(*a, **kw)
+    def history(self, *a, **kw):  # on the class itself: store.open_table's tables may predate the count
+        counts["history"] += 1
+        return ORIGINAL_HISTORY(self, *a, **kw)
 
-    delta.DeltaTable = CountingTable
+    delta.DeltaTable, ORIGINAL_TABLE.history = CountingTable, history
     return counts
+
+
+def stop_counting() -> None:
+    """Put back what count_delta_calls replaced."""
+    delta.DeltaTable, ORIGINAL_TABLE.history = ORIGINAL_TABLE, ORIGINAL_HISTORY
+
+
+ORIGINAL_TABLE, ORIGINAL_HISTORY = delta.DeltaTable, delta.DeltaTable.history
 
 
 def write_iteration(store, cfg, it: int, frames: dict, clock: Clock | None = None) -> dict:
@@ -336,6 +379,10 @@ def bookkeeping(store, tracker, cfg, it: int, frames: dict) -> dict:
             mlflow_id, store.location, RUN, it, metrics_version=versions["iteration_metrics"], policy_version=it + 1
         )
     per_iteration, counts = sum(clock.values()), dict(counts)  # the opens of rlake sql and resume: not counted
+    delta.forget_tables()  # a new process (a launch, a run launched from the UI) reads each table's checkpoint once
+    with clock("first opens of the 9 tables in a new process (per launch / UI run)"):
+        for table in ["prompts", *ITER_TABLES]:
+            delta.open_table(store.uri(table))
     _MLFLOW_RUNS.clear()  # a new process (a launch, a Dagster run of its own) searches MLflow once
     with clock("mlflow run_for, first in a process (per launch)"):
         tracker.run_for(RUN, cfg, step=it + 1)
@@ -355,7 +402,7 @@ def run_iterations(counts: list[int]) -> list[dict]:
     frames = {t: small_frame(t) for t in ITER_TABLES}
     write_table(store, cfg, "prompts", small_frame("prompts", 64), -1, policy_version=None, upstream={})
     mlflow_id, client = tracker.run_for(RUN, cfg, step=0), tracker._client()
-    original, done, out = delta.DeltaTable, 0, []
+    done, out = 0, []
     for n in counts:
         t0 = time.perf_counter()
         for it in range(done, n):
@@ -365,7 +412,7 @@ def run_iterations(counts: list[int]) -> list[dict]:
             client.log_inputs(mlflow_id, datasets=[delta_dataset_input(e, it) for e in entries])
         grow = time.perf_counter() - t0
         row = bookkeeping(store, tracker, cfg, n, frames) | {"grow_s": grow}
-        delta.DeltaTable = original
+        stop_counting()
         done = n + 1
         out.append(row)
         print(f"iteration {n}: {row['per_iteration_s']:.2f} s (grown in {grow:.0f} s)", file=sys.stderr, flush=True)
@@ -399,7 +446,7 @@ def main() -> int:
             out = prof.runcall(steps, Path(root)) | {"traced": Clock.traced}
             pstats.Stats(prof).sort_stats("cumulative").print_stats(r"stages|assets", 40)
         else:
-            out = prepare(int(n), args.tokens, Path(root)) if phase == "prepare" else steps(Path(root))
+            out = prepare(int(n), args.tokens, Path(root)) if phase == "prepare" else PHASES[phase](Path(root))
         Path(result).write_text(json.dumps(out))
         return 0
     report = {"commit": code_version(), "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
