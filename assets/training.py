@@ -199,6 +199,7 @@ SUMMARY_METRICS = (
     "actor/ppo_kl",
     "actor/kl_loss",
     "actor/reward_kl_penalty",
+    "actor/teacher_kl",
     "training/rollout_probs_diff_mean",
     "response_length/mean",
     "timing_s/step",

@@ -52,7 +52,7 @@ SCORED_COLUMNS = (
 """The scored_rollouts columns rollout_metrics reads; the list columns among them are reduced per batch (row_counts)."""
 LIST_COLUMNS = ("prompt_token_ids", "response_mask", "turns")
 
-ADVANTAGE_SCALARS = ("group_id", "advantage", "kl_coef", "reward_kl")
+ADVANTAGE_SCALARS = ("group_id", "advantage", "kl_coef", "reward_kl", "teacher_kl")
 PROBS_COLUMNS = ("old_logprobs", "rollout_logprobs", "response_token_ids", "response_mask")
 """The advantages columns rollout_metrics reads: per-row scalars, and the token columns of the probability gap."""
 
@@ -123,9 +123,10 @@ def multi_turn_metrics(rows: pd.DataFrame) -> dict[str, float]:
 
 
 def algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dict[str, float]:
-    """KL-in-reward (actor/reward_kl_penalty[_coeff], verl), DAPO dynamic sampling (train/num_gen_batches, verl;
-    generated vs kept groups), overlong shaping and rollout-vs-actor probability gap (training/rollout_probs_*,
-    verl) metrics, from the columns the stages stored."""
+    """KL-in-reward (actor/reward_kl_penalty[_coeff], verl), on-policy distillation's reverse KL to the teacher
+    (actor/teacher_kl: the mean over rollouts of each one's token-mean log pi_student - log pi_teacher), DAPO
+    dynamic sampling (train/num_gen_batches, verl; generated vs kept groups), overlong shaping and rollout-vs-actor
+    probability gap (training/rollout_probs_*, verl) metrics, from the columns the stages stored."""
     return row_algorithm_metrics(scored, advantages) | probs_diff_metrics(scored, advantages)
 
 
@@ -135,6 +136,9 @@ def row_algorithm_metrics(scored: pd.DataFrame, advantages: pd.DataFrame) -> dic
     if "kl_coef" in advantages and np.isfinite(advantages["kl_coef"].to_numpy(dtype=np.float64)).all():
         m["actor/reward_kl_penalty"] = float(advantages["reward_kl"].mean())
         m["actor/reward_kl_penalty_coeff"] = float(advantages["kl_coef"].iloc[0])
+    teacher_kl = advantages["teacher_kl"].to_numpy(dtype=np.float64) if "teacher_kl" in advantages else np.zeros(0)
+    if teacher_kl.size and np.isfinite(teacher_kl).all():  # on-policy distillation (algorithm.distillation)
+        m["actor/teacher_kl"] = float(teacher_kl.mean())
     if "gen_round" in scored:
         m["train/num_gen_batches"] = float(scored["gen_round"].nunique())
         m["train/num_groups_generated"] = float(scored["group_id"].nunique())

@@ -74,3 +74,6 @@ def test_teacher_table_feeds_the_advantages_and_the_reverse_kl_falls(distill_run
     assert list(row["token_advantages"]) == pytest.approx(want, abs=1e-5)
     kl = adv.groupby("iteration")["teacher_kl"].mean()
     assert kl[1] < kl[0], kl.to_dict()  # measured 5.62 -> 4.73
+    metrics = DeltaTable(str(tables / "iteration_metrics")).to_pandas(filters=[("run_id", "=", RUN)])
+    logged = metrics[metrics["metric"] == "actor/teacher_kl"].set_index("iteration")["value"]
+    assert logged.loc[[0, 1]].tolist() == pytest.approx(kl.loc[[0, 1]].tolist()), logged  # the curve in MLflow/UI

@@ -199,3 +199,6 @@ def test_algorithm_metrics_from_stored_columns() -> None:
     ] == pytest.approx(1 / 3)
     no_kl = algorithm_metrics(scored.drop(columns=["gen_round"]), adv.assign(kl_coef=np.nan))
     assert "actor/reward_kl_penalty" not in no_kl and "train/num_gen_batches" not in no_kl
+    assert "actor/teacher_kl" not in no_kl  # only with on-policy distillation:
+    distilled = algorithm_metrics(scored, adv.assign(teacher_kl=[0.5, 1.5, 2.0, 0.0]))
+    assert distilled["actor/teacher_kl"] == pytest.approx(1.0)  # (0.5 + 1.5 + 2.0 + 0.0) / 4 rollouts
