@@ -1,5 +1,8 @@
 """Per-iteration scoring assets: rewards and advantages."""
 
+import time
+from functools import partial
+
 import dagster as dg
 import numpy as np
 
@@ -15,11 +18,13 @@ from assets.common import (
     read_recorded,
     run_iterations,
     timed,
+    upstream_partition,
     upstream_version,
     write_table,
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
-from stages.advantage import iteration_advantages, uses_adaptive_kl
+from stages.advantage import uses_adaptive_kl
+from stages.advantage_stream import Upstream, stream_advantages
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
 from stages.judge import combine_judge_scores
 from stages.reward import score_partition, score_rollouts
@@ -128,45 +133,50 @@ def score_in_memory(context, cfg, rollout_store: RolloutStoreResource, it: int):
 def advantages(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource
 ) -> dg.MaterializeResult:
-    """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass."""
+    """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass, streamed: the step holds
+    scalar columns and dense tensors, never a whole table's token lists (stages/advantage_stream.py)."""
     cfg, it = run_config.load(), iteration_of(context)
-    scored, version = read_recorded(context, rollout_store, "scored_rollouts", cfg.run_id, it)
-    values, values_version = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
-    ref, ref_version = read_if(uses_reference(cfg), context, rollout_store, "ref_logprobs", cfg.run_id, it)
-    teacher, teacher_version = read_if(uses_teacher(cfg), context, rollout_store, "teacher_logprobs", cfg.run_id, it)
-    old, old_version = read_recorded(context, rollout_store, "old_logprobs", cfg.run_id, it)
-    # adaptive KL-in-reward: beta of iteration it follows from iteration it-1's stored beta and KL
-    adaptive = uses_adaptive_kl(cfg) and it > 0
-    prev, prev_version = read_if(adaptive, context, rollout_store, "advantages", cfg.run_id, it - 1)
-    with timed() as t:
-        adv, dropped = iteration_advantages(
-            cfg, scored, values=values, ref=ref, previous=prev, old=old, teacher=teacher
-        )
-    if dropped:
-        context.log.info(f"dropped {dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
-    read_versions = {
-        "scored_rollouts": version,
-        "values": values_version,
-        "ref_logprobs": ref_version,
-        "teacher_logprobs": teacher_version,
-        "old_logprobs": old_version,
-        "advantages": prev_version,
-    }
-    v = write_table(
-        rollout_store, cfg, "advantages", adv, it, policy_version=it, upstream=read_versions, duration_s=t["s"]
+
+    def part(needed: bool, table: str, iteration: int = it):
+        return upstream_partition(context, rollout_store, table, cfg.run_id, iteration) if needed else None
+
+    up = Upstream(
+        scored=part(True, "scored_rollouts"),
+        old=part(True, "old_logprobs"),
+        ref=part(uses_reference(cfg), "ref_logprobs"),
+        values=part(uses_critic(cfg), "values"),
+        teacher=part(uses_teacher(cfg), "teacher_logprobs"),
+        previous=part(uses_adaptive_kl(cfg) and it > 0, "advantages", it - 1),  # adaptive KL: beta from it-1
     )
+    tables = {"scored_rollouts": up.scored, "values": up.values, "ref_logprobs": up.ref}
+    tables |= {"teacher_logprobs": up.teacher, "old_logprobs": up.old, "advantages": up.previous}
+    read_versions = {t: p.version for t, p in tables.items() if p is not None}
+    meta = partial(lineage, cfg, stage="advantages", policy_version=it, upstream=read_versions)
+    t0 = time.perf_counter()
+    run = stream_advantages(
+        cfg, up, rollout_store.uri("advantages"), lineage=lambda: meta(duration_s=time.perf_counter() - t0)
+    )
+    if run.dropped:
+        context.log.info(f"dropped {run.dropped} rollouts flagged by the reward stage (reward.on_error=flag)")
+    return advantages_result(cfg, run)
+
+
+def advantages_result(cfg, run) -> dg.MaterializeResult:
+    """The advantages asset's metadata and finite check, from the stage's per-row SUMMARY columns."""
+    adv = run.summary
     finite = bool(np.isfinite(adv["advantage"]).all())
     return dg.MaterializeResult(
         metadata={
-            "delta_version": v,
+            "delta_version": run.version,
             "adv_estimator": cfg.algorithm.adv_estimator,
             "advantage_abs_mean": float(adv["advantage"].abs().mean()),
             "zero_advantage_frac": float((adv["advantage"] == 0).mean()),
             "kept_groups": int(adv["group_id"].nunique()),
             "kl_coef": float(adv["kl_coef"].iloc[0]) if cfg.algorithm.use_kl_in_reward else 0.0,
             "teacher_kl_mean": float(adv["teacher_kl"].mean()) if uses_teacher(cfg) else 0.0,
+            "mode": run.mode,
         },
-        data_version=data_version("advantages", v),
+        data_version=data_version("advantages", run.version),
         check_results=[dg.AssetCheckResult(check_name="advantages_finite", passed=finite)],
     )
 

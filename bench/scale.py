@@ -47,7 +47,7 @@ from assets.common import lineage, write_table
 from assets.resources import _MLFLOW_RUNS, RolloutStoreResource, TrackerResource, resolve_run_config
 from assets.scoring import SUMMARY, reward_metadata
 from assets.training import stage_timings
-from stages.advantage import iteration_advantages
+from stages.advantage_stream import Upstream, stream_advantages
 from stages.io import sql
 from stages.io import store as delta
 from stages.io.stage_exec import Partition
@@ -64,6 +64,8 @@ RUN = "scale"
 GROUP = 8
 STREAMED = ("scored_rollouts", "advantages")
 """The partitions the iteration_metrics step streams (stages/metrics.py iteration_metrics)."""
+ADV_READS = ("scored_rollouts", "old_logprobs")
+"""The partitions the advantages step streams (stages/advantage_stream.py)."""
 
 
 def peak_mb(now: bool = False) -> float:
@@ -188,16 +190,7 @@ def steps(root: Path) -> dict:
         reward_step(cfg, store, clock)
 
     def advantages():
-        with clock("advantages.read"):
-            scored, version = read_at_recorded(store, "scored_rollouts", 0)
-            old, old_version = read_at_recorded(store, "old_logprobs", 0)
-        with clock("advantages.compute"):
-            adv, _ = iteration_advantages(cfg, scored, old=old)
-        with clock("advantages.write"):
-            up = {"scored_rollouts": version, "old_logprobs": old_version}
-            write_table(store, cfg, "advantages", adv, 0, policy_version=0, upstream=up)
-        with clock("advantages.metadata"):
-            adv["advantage"].abs().mean(), (adv["advantage"] == 0).mean(), adv["group_id"].nunique()
+        advantages_step(cfg, store, clock)
 
     def metrics():
         metrics_step(cfg, store, clock)
@@ -211,6 +204,20 @@ def steps(root: Path) -> dict:
         overall = max(overall, peaks[name])
     ray.shutdown()
     return out | {"driver_peak_rss_mb": overall, "step_peak_mb": peaks, "stage_s": dict(clock)}
+
+
+def advantages_step(cfg, store, clock: Clock) -> None:
+    """The advantages step as assets/scoring.py runs it: the recorded versions, the stage streamed
+    (stages/advantage_stream.py: scalar columns, dense tensors, the output written batch by batch), metadata."""
+    with clock("advantages.read"):  # the recorded versions only: the stage streams the partitions
+        scored, old = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in ADV_READS)
+    with clock("advantages.compute+write"):
+        up = {"scored_rollouts": scored.version, "old_logprobs": old.version}
+        meta = lineage(cfg, stage="advantages", policy_version=0, upstream=up, duration_s=0.0)
+        run = stream_advantages(cfg, Upstream(scored, old=old), store.uri("advantages"), lineage=meta)
+    with clock("advantages.metadata"):
+        adv = run.summary
+        adv["advantage"].abs().mean(), (adv["advantage"] == 0).mean(), adv["group_id"].nunique()
 
 
 def metrics_step(cfg, store, clock: Clock) -> None:

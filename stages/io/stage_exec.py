@@ -18,7 +18,7 @@ metadata as store.write_partition, so readers, lineage walks, replay and resume 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,17 @@ class Partition:
             self.uri, self.run_id, self.iteration, columns, version=self.version, storage_options=self.storage_options
         )
 
+    def arrow(self, columns: list[str]) -> pa.Table:
+        """These columns of the partition as one Arrow table (compact buffers, no Python objects)."""
+        return _dataset(self.uri, self.run_id, self.iteration, self.version, self.storage_options).to_table(
+            columns=columns
+        )
+
+    def columns(self) -> list[str]:
+        """The table's columns at this version, partition keys left out (no row is read)."""
+        schema = _dataset(self.uri, self.run_id, self.iteration, self.version, self.storage_options).schema
+        return [c for c in schema.names if c not in dataset_io.KEYS]
+
 
 def read_columns(
     uri: str,
@@ -161,17 +172,27 @@ def read_columns(
     return _dataset(uri, run_id, iteration, version, storage_options).to_table(columns=columns).to_pandas()
 
 
-def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts) -> int:
-    """In-process: stream batches through `fn`, one Parquet file per output batch, ONE commit."""
+def write_frames(
+    frames: Iterable[pd.DataFrame],
+    target: str,
+    name: str,
+    *,
+    run_id: str,
+    iteration: int,
+    lineage: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    storage_options: Options = None,
+) -> int:
+    """Replace partition (run_id, iteration) of table `name` at `target` with the rows of `frames` (consumed one
+    at a time, one Parquet file each, in order: the table's row order is theirs): ONE Delta commit with `lineage`
+    (or a function giving it, called once the files are written). Returns the new table version."""
     files = []
-    for batch in iter_partition_batches(source, run_id, iteration, version=version, storage_options=opts):
-        out = fn(batch)
+    for out in frames:
         if len(out):
             files.append(
                 dataset_io._write_block(
                     out,
                     uri=uris.target(target),
-                    options=uris.options_of(target, opts),
+                    options=uris.options_of(target, storage_options),
                     name=name,
                     run_id=run_id,
                     iteration=iteration,
@@ -181,8 +202,15 @@ def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iter
         raise store.empty_partition_error(name, run_id, iteration)
     listing = pd.concat(files, ignore_index=True)
     return dataset_io._commit(
-        target, name, listing, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts
+        target, name, listing, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=storage_options
     )
+
+
+def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts) -> int:
+    """In-process: stream batches through `fn`, one Parquet file per output batch, ONE commit."""
+    batches = iter_partition_batches(source, run_id, iteration, version=version, storage_options=opts)
+    frames = (fn(batch) for batch in batches)
+    return write_frames(frames, target, name, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts)
 
 
 def _run_ray(fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts) -> int:

@@ -1,0 +1,400 @@
+"""The advantages stage streamed (#36): no whole table as pandas in the Dagster step.
+
+stages.advantage.compute_advantage_table turns whole frames (every token list a Python object: ~8 GB of driver at
+100k rollouts of ~256 tokens) into the table. Here, for the same rows, order and values:
+
+1. scalars: rollout_id, group_id, policy_version, reward, response_length, is_baseline, score of scored_rollouts,
+   streamed; today's row selection (drop_flagged_rollouts, select_training_groups, split_baseline_rows) on them.
+2. numbers: grpo (Dr.GRPO), rloo and opo without KL in the reward or distillation (per_row_path, the common case)
+   need per-row scalars only: the outcome score and the model-token count per row, then the same estimator
+   functions, and each output batch's token rows are those scalars times the batch's mask. Every other
+   estimator/option (REINFORCE++ and GAE whiten or run over the whole batch; KL in the reward, distillation, remax)
+   fills the (N, L) float32 tensors compute_advantage_table builds (mask; old/ref/teacher log-probs, values) batch
+   by batch and runs the same functions on them whole. Either way the numbers are bit-identical to today's.
+   The joined tables (old_logprobs, ref_logprobs, values, teacher_logprobs) are read as Arrow columns (compact,
+   about 1 KB per 256-token rollout) and taken into the kept order by rollout_id: their stages write them whole,
+   one file of one row group, so a per-batch range read would decode the whole column again for every batch.
+3. output: scored_rollouts' token columns streamed again, each batch's kept rows joined with their slices of the
+   dense outputs and the Arrow columns, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames).
+
+Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
+sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
+order, so the partitions are read whole and stages.advantage.iteration_advantages computes the table, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from configs.schema import RunConfig
+from stages.advantage import (
+    drop_flagged_rollouts,
+    engine_logprob_lists,
+    finite_rewards,
+    iteration_advantages,
+    kl_coef_for_iteration,
+    remax_baseline_rewards,
+)
+from stages.algos.advantages import (
+    broadcast_to_tokens,
+    compute_advantages,
+    compute_grpo_advantages,
+    compute_opo_advantages,
+    compute_rloo_advantages,
+    outcome_to_token_rewards,
+)
+from stages.algos.distill import compute_distillation_advantages, teacher_kl_per_rollout
+from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
+from stages.filter_groups import select_training_groups, split_baseline_rows
+from stages.io.stage_exec import BATCH_ROWS, Partition, write_frames
+from stages.train.batching import loss_mask, ragged_to_padded, row_masks
+
+SCALARS = ["rollout_id", "group_id", "policy_version", "reward", "response_length", "is_baseline", "score"]
+"""The scored_rollouts columns the row selection and the outcome math read (pass 1)."""
+
+TOKENS = ["prompt_token_ids", "response_token_ids", "response_mask", "rollout_logprobs"]
+"""The scored_rollouts token columns the advantages table copies (pass 3)."""
+
+SUMMARY = ["group_id", "advantage", "kl_coef", "teacher_kl"]
+"""The per-row columns the asset's metadata and finite check read (returned, never read back)."""
+
+JOINS = {
+    "old": ("old_logprobs", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], "old log-probs", "old_logprobs"),
+    "ref": ("ref_logprobs", [], "reference log-probs", "ref_logprobs"),
+    "values": ("values", [], "critic values", "values"),
+    "teacher": ("teacher_logprobs", [], "teacher log-probs", "teacher_logprobs"),
+}
+"""Upstream table -> (its token column, scalar columns copied, what its rows are, the asset to re-materialize)."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The partitions the advantages stage reads (None: the run does not use that table)."""
+
+    scored: Partition
+    old: Partition | None = None
+    ref: Partition | None = None
+    values: Partition | None = None
+    teacher: Partition | None = None
+    previous: Partition | None = None
+
+
+@dataclass(frozen=True)
+class AdvantageRun:
+    """What one streamed advantages stage did: new version, SUMMARY columns, rollouts dropped as flagged, mode."""
+
+    version: int
+    summary: pd.DataFrame
+    dropped: int
+    mode: str
+
+
+def read_scalars(scored: Partition, batch_rows: int | None = None) -> pd.DataFrame:
+    """Pass 1: the SCALARS columns scored_rollouts has, plus `_pos` (the row's place in the stream)."""
+    frame = pd.concat(list(scored.batches(SCALARS, batch_rows)), ignore_index=True)
+    return frame.assign(_pos=np.arange(len(frame)))
+
+
+def selected_rows(cfg: RunConfig, scalars: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(kept training rows in the table's order, ReMax baseline rows, rollouts dropped as flagged): the row
+    selection of stages.advantage.iteration_advantages, on the scalar columns."""
+    dropped = 0
+    if cfg.reward.on_error == "flag":
+        scalars, dropped = drop_flagged_rollouts(scalars)
+    kept = select_training_groups(
+        scalars, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
+    )
+    kept, baselines = split_baseline_rows(kept)
+    return kept, baselines, dropped
+
+
+def joined_table(part: Partition, which: str, kept: pd.DataFrame) -> pa.Table:
+    """The upstream table's token column (and scalars) for the kept rows, in their order, as Arrow; a kept rollout
+    it lacks, or a token list of another length than the response, is an error naming the rollouts."""
+    column, scalars, what, asset = JOINS[which]
+    table = part.arrow(["rollout_id", column, *scalars])
+    src = table["rollout_id"].to_numpy()
+    ids = kept["rollout_id"].to_numpy()
+    order = np.argsort(src, kind="stable")
+    loc = np.minimum(np.searchsorted(src[order], ids), max(len(src) - 1, 0))
+    found = src[order][loc] == ids if len(src) else np.zeros(len(ids), bool)
+    if not found.all():
+        raise ValueError(
+            f"rollouts {ids[~found][:10].tolist()} have no {what}; the {asset} table is from other rollouts: "
+            f"re-materialize {asset} of this iteration after its rollouts"
+        )
+    table = table.take(pa.array(order[loc]))
+    lengths = pc.list_value_length(table[column]).to_numpy(zero_copy_only=False)
+    bad = ids[lengths != kept["response_length"].to_numpy(dtype=np.int64)][:10].tolist()
+    if bad:
+        raise ValueError(f"rollouts {bad}: {what} of another length than the response; re-materialize {asset}")
+    return table
+
+
+def padded(column: pa.ChunkedArray, width: int) -> torch.Tensor:
+    """(N, width) float32 of a list column (zeros after each list), as ragged_to_padded, a batch at a time."""
+    out = torch.zeros(len(column), width)
+    for start in range(0, len(column), BATCH_ROWS):
+        chunk = column.slice(start, BATCH_ROWS).to_pylist()
+        out[start : start + len(chunk)] = ragged_to_padded(chunk, width)
+    return out
+
+
+def kept_batches(scored: Partition, kept: pd.DataFrame, columns: list[str], batch_rows: int | None):
+    """(first kept index, the batch's kept rows) over scored_rollouts streamed again, in the kept order (which
+    is the stream's: stream_advantages checked it)."""
+    pos, seen, first = kept["_pos"].to_numpy(), 0, 0
+    for batch in scored.batches(columns, batch_rows):
+        stop = int(np.searchsorted(pos, seen + len(batch)))
+        rows = batch.iloc[pos[first:stop] - seen].reset_index(drop=True)
+        if len(rows):
+            yield first, rows
+        seen, first = seen + len(batch), stop
+
+
+def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: bool, batch_rows: int | None):
+    """((N, width) model-token mask, (N, width) engine rollout_logprobs or None): the mask as
+    stages.advantage.model_token_mask makes it, filled a batch at a time."""
+    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    mask = loss_mask(lengths.tolist(), width)  # (N, L) all ones up to each length
+    has = set(scored.columns())
+    columns = [c for c in ("response_mask", "rollout_logprobs") if c in has and (c == "response_mask" or engine_lp)]
+    lp = torch.zeros(len(kept), width) if engine_lp else None
+    if not columns:
+        return mask, lp
+    for first, rows in kept_batches(scored, kept, columns, batch_rows):
+        stop = first + len(rows)
+        masks = row_masks(rows.get("response_mask"))
+        if masks is not None:
+            mask[first:stop] = loss_mask(lengths[first:stop].tolist(), width, masks)
+        if engine_lp:
+            lp[first:stop] = ragged_to_padded(rows["rollout_logprobs"], width)
+    return mask, lp
+
+
+def kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef, n: int) -> tuple[torch.Tensor, dict]:
+    """stages.advantage.reward_kl_columns' math on dense (N, L) inputs: (token rewards, kl_coef / reward_kl)."""
+    beta = alg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
+    rewards, _ = apply_kl_penalty(token_rewards, student, ref_lp, mask, beta, alg.kl_penalty)
+    kld = compute_kl_penalty(student, ref_lp, alg.kl_penalty) * mask  # (N, L)
+    reward_kl = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
+    return rewards, {"kl_coef": np.full(n, beta), "reward_kl": reward_kl}
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The stage's numbers: advantages (N, L) and returns (N, L), or per-row advantages (N,) whose token rows are
+    them times the model-token mask (returns = advantages, per_row_path); rewards (N,); kl_coef / reward_kl /
+    teacher_kl (N,) columns."""
+
+    adv: torch.Tensor
+    returns: torch.Tensor | None
+    rewards: np.ndarray
+    cols: dict
+
+    def token_rows(self, first: int, lengths: np.ndarray, masks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of kept rows first..first+len(lengths), (k, L') with L' >= each length."""
+        sl = slice(first, first + len(lengths))
+        if self.returns is not None:
+            return self.adv[sl], self.returns[sl]
+        mask = loss_mask(lengths.tolist(), max(1, int(lengths.max())), masks)  # (k, L') the rows' own width
+        tokens = broadcast_to_tokens(self.adv[sl], mask)  # (k, L') as compute_advantages' _grpo / _rloo / _opo
+        return tokens, tokens
+
+
+PER_ROW = ("grpo", "rloo", "opo")
+"""Outcome estimators whose token advantages are a per-row scalar times the mask (no whitening over the batch)."""
+
+
+def per_row_path(alg) -> bool:
+    """grpo (Dr.GRPO), rloo, opo without KL in the reward or distillation: no (N, L) tensor is needed."""
+    return alg.adv_estimator in PER_ROW and not alg.use_kl_in_reward and not alg.distillation.enable
+
+
+def model_token_counts(scored: Partition, kept: pd.DataFrame, batch_rows: int | None) -> torch.Tensor:
+    """(N,) float32 model tokens per kept rollout (the mask's row sums): its response_length, less the observation
+    tokens of its response_mask, counted a batch at a time."""
+    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    counts = torch.as_tensor(lengths, dtype=torch.float32)
+    if "response_mask" not in scored.columns():
+        return counts
+    for first, rows in kept_batches(scored, kept, ["response_mask"], batch_rows):
+        masks, sub = row_masks(rows["response_mask"]), lengths[first : first + len(rows)]
+        if masks is not None:
+            counts[first : first + len(rows)] = loss_mask(sub.tolist(), max(1, int(sub.max())), masks).sum(-1)
+    return counts
+
+
+def row_advantages(cfg: RunConfig, kept: pd.DataFrame, counts: torch.Tensor) -> Outputs:
+    """compute_advantages' numbers for a per_row_path estimator from (N,) scalars: the outcome score (the masked
+    sum of outcome_to_token_rewards' row, the reward itself or 0 without a model token; + 0.0 as the sum's -0.0)
+    and the model-token counts (opo's lengths)."""
+    alg, rewards = cfg.algorithm, finite_rewards(kept)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    scores = torch.where(counts > 0, r, torch.zeros_like(r)) + 0.0  # (N,)
+    group_ids = torch.tensor(kept["group_id"].to_numpy(dtype=np.int64))
+    if alg.adv_estimator == "grpo":
+        adv = compute_grpo_advantages(scores, group_ids, scale_by_std=alg.norm_adv_by_std_in_grpo)
+    elif alg.adv_estimator == "rloo":
+        adv = compute_rloo_advantages(scores, group_ids)
+    else:
+        adv = compute_opo_advantages(scores, counts, group_ids)
+    nan = np.full(len(kept), np.nan)
+    return Outputs(adv, None, rewards, {"kl_coef": nan, "reward_kl": nan, "teacher_kl": nan})
+
+
+def dense_advantages(cfg: RunConfig, kept, baselines, joined: dict, mask, engine_lp, kl_coef):
+    """Outputs (advantages (N, L), returns (N, L)): the math of stages.advantage.compute_advantage_table on the
+    same dense tensors, so the same numbers."""
+    alg, (n, width) = cfg.algorithm, mask.shape
+    baseline_rewards = remax_baseline_rewards(kept, baselines) if alg.adv_estimator == "remax" else None
+    rewards = finite_rewards(kept)
+    token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
+    cols = {"kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan), "teacher_kl": np.full(n, np.nan)}
+    student = engine_lp  # the engine's log-probs without an old_logprobs table, as the whole-frame path
+    if "old" in joined and (alg.use_kl_in_reward or alg.distillation.enable):
+        student = padded(joined["old"]["old_logprobs"], width)  # (N, L) the actor's recomputed log-probs
+    if alg.use_kl_in_reward:
+        ref_lp = padded(joined["ref"]["ref_logprobs"], width)  # (N, L)
+        token_rewards, kl_cols = kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef, n)
+        cols |= kl_cols
+    adv, returns = compute_advantages(
+        alg.adv_estimator,
+        token_level_rewards=token_rewards,
+        response_mask=mask,
+        values=padded(joined["values"]["values"], width) if alg.adv_estimator == "gae" else None,
+        lam=alg.lam,
+        group_ids=torch.tensor(kept["group_id"].to_numpy(dtype=np.int64)),
+        baseline_rewards=baseline_rewards,
+        gamma=alg.gamma,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+    )
+    if alg.distillation.enable:
+        d = alg.distillation
+        teacher = padded(joined["teacher"]["teacher_logprobs"], width)  # (N, L)
+        adv, reverse_kl = compute_distillation_advantages(
+            adv,
+            student,
+            teacher,
+            mask,
+            kl_penalty_coef=d.kl_penalty_coef,
+            use_task_rewards=d.use_task_rewards,
+            loss_max_clamp=d.loss_max_clamp,
+        )
+        cols["teacher_kl"] = teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
+    return Outputs(adv, returns, rewards, cols)
+
+
+def joined_columns(joined: dict, first: int, k: int) -> dict:
+    """The advantages table's old_logprobs / rollout_probs_diff_* / ref_logprobs / teacher_logprobs columns for
+    kept rows first..first+k (empty lists and NaN for a table the run does not join)."""
+    empty = [[] for _ in range(k)]
+    out = {"old_logprobs": empty, "rollout_probs_diff_max": np.full(k, np.nan)}
+    out |= {"rollout_probs_diff_mean": np.full(k, np.nan), "ref_logprobs": empty, "teacher_logprobs": empty}
+    for which, table in joined.items():
+        column, scalars, _, _ = JOINS[which]
+        if which == "values":
+            continue  # GAE reads them; the table does not copy them
+        part = table.slice(first, k)
+        out[column] = list(part[column].to_numpy(zero_copy_only=False))
+        out |= {c: part[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in scalars}
+    return out
+
+
+def output_frames(
+    cfg: RunConfig, scored: Partition, kept, joined, out: Outputs, firsts: list, batch_rows
+) -> Iterator[pd.DataFrame]:
+    """Pass 3: the advantages table a batch of scored_rollouts at a time, columns as compute_advantage_table's;
+    each batch's `advantage` column is appended to `firsts` (the asset's summary)."""
+    has = set(scored.columns())
+    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    for first, rows in kept_batches(scored, kept, [c for c in TOKENS if c in has], batch_rows):
+        sl, k, masks = slice(first, first + len(rows)), len(rows), row_masks(rows.get("response_mask"))
+        a, r = out.token_rows(first, lengths[sl], masks)
+        n_tok = lengths[sl].tolist()
+        firsts.append(a[:, 0].numpy())
+        yield pd.DataFrame(
+            {
+                **{key: kept[key].to_numpy()[sl] for key in ("rollout_id", "group_id", "policy_version")},
+                **{key: rows[key].to_numpy() for key in ("prompt_token_ids", "response_token_ids")},
+                "response_mask": pd.Series(masks or [None] * k, dtype=object),
+                "reward": out.rewards[sl],
+                "advantage": firsts[-1],
+                "token_advantages": [a[i, :n].tolist() for i, n in enumerate(n_tok)],
+                "adv_estimator": cfg.algorithm.adv_estimator,
+                "rollout_logprobs": engine_logprob_lists(rows),
+                **joined_columns(joined, first, k),
+                **{key: out.cols[key][sl] for key in ("kl_coef", "reward_kl", "teacher_kl")},
+                "returns": [r[i, :n].tolist() for i, n in enumerate(n_tok)],
+            }
+        )
+
+
+def joins_of(cfg: RunConfig, up: Upstream) -> list[str]:
+    """The upstream tables this run joins by rollout_id, after the whole-frame path's checks that they exist."""
+    alg = cfg.algorithm
+    needed = {"old": True, "ref": True, "values": alg.adv_estimator == "gae", "teacher": alg.distillation.enable}
+    missing = {
+        "values": "adv_estimator='gae' needs the iteration's critic values (the `values` table); materialize the "
+        "`values` asset of this iteration first, or pick another estimator",
+        "ref": "algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize the "
+        "ref_logprobs asset of this iteration first, or set use_kl_in_reward=false",
+        "teacher": "algorithm.distillation.enable=true needs the iteration's teacher_logprobs table, because the "
+        "distillation advantage compares the student's log-probs with the teacher's; materialize the "
+        "teacher_logprobs asset of this iteration first, or set algorithm.distillation.enable=false",
+    }
+    must = {"values": needed["values"], "ref": alg.use_kl_in_reward, "teacher": needed["teacher"]}
+    for which, required in must.items():
+        if required and getattr(up, which) is None:
+            raise ValueError(missing[which])
+    return [w for w, need in needed.items() if need and getattr(up, w) is not None]
+
+
+def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> AdvantageRun:
+    """The explicit fallback (module docstring): every partition read whole, stages.advantage's computation."""
+
+    def read(part: Partition | None) -> pd.DataFrame | None:
+        return None if part is None else pd.concat(list(part.batches()), ignore_index=True)
+
+    frames = {k: read(getattr(up, k)) for k in ("values", "ref", "previous", "old", "teacher")}
+    adv, dropped = iteration_advantages(cfg, read(up.scored), **frames)
+    s = up.scored
+    version = write_frames([adv], target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
+    return AdvantageRun(version, adv[SUMMARY].copy(), dropped, "whole-frame")
+
+
+def stream_advantages(
+    cfg: RunConfig, up: Upstream, target_uri: str, *, lineage, batch_rows: int | None = None
+) -> AdvantageRun:
+    """The `advantages` stage (stages.advantage.iteration_advantages' rows, order and values) over partition
+    handles, written to the table at `target_uri` with ONE commit carrying `lineage` (a mapping or a function
+    called once the files are written); the step holds per-row scalars (or the (N, L) tensors), never a whole
+    partition's token lists as Python objects."""
+    kept, baselines, dropped = selected_rows(cfg, read_scalars(up.scored, batch_rows))
+    if (np.diff(kept["_pos"].to_numpy()) <= 0).any():  # kept order != stream order: see the module docstring
+        return whole_frame(cfg, up, target_uri, lineage=lineage)
+    joins = joins_of(cfg, up)
+    alg = cfg.algorithm
+    previous = up.previous.read(["kl_coef", "reward_kl"]) if up.previous is not None else None
+    kl_coef = kl_coef_for_iteration(alg, previous) if alg.use_kl_in_reward else None
+    joined = {w: joined_table(getattr(up, w), w, kept) for w in joins}
+    if per_row_path(alg):  # the common case: per-row scalars, no (N, L) tensor
+        out = row_advantages(cfg, kept, model_token_counts(up.scored, kept, batch_rows))
+    else:
+        width = max(1, int(kept["response_length"].to_numpy(dtype=np.int64).max(initial=0)))
+        engine_lp = "old" not in joined and (alg.use_kl_in_reward or alg.distillation.enable)
+        mask, lp = scored_dense(up.scored, kept, width, engine_lp, batch_rows)
+        out = dense_advantages(cfg, kept, baselines, joined, mask, lp, kl_coef)
+    s, firsts = up.scored, []
+    frames = output_frames(cfg, s, kept, joined, out, firsts, batch_rows)
+    version = write_frames(frames, target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
+    summary = pd.DataFrame({"group_id": kept["group_id"].to_numpy(), "advantage": np.concatenate(firsts)})
+    summary = summary.assign(kl_coef=out.cols["kl_coef"], teacher_kl=out.cols["teacher_kl"])
+    return AdvantageRun(version, summary, dropped, "streamed")

@@ -1,0 +1,190 @@
+"""The advantages stage streamed (#36, stages/advantage_stream.py) writes the table the whole-frame computation
+(stages.advantage.iteration_advantages) writes, row for row and bit for bit, for every estimator and option, at
+batch sizes that split groups. Real Delta tables under tmp_path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+
+from configs.schema import AlgorithmConfig, DistillationConfig, FilterGroupsConfig, KLControlConfig
+from stages.advantage import iteration_advantages
+from stages.advantage_stream import Upstream, stream_advantages
+from stages.io import store
+from stages.io.stage_exec import Partition
+
+RUN = "s"
+N = 48
+
+
+def _scored(rng: np.random.Generator, *, remax: bool, shuffled: bool) -> pd.DataFrame:
+    """N scored rollouts in groups of 8: a flagged (NaN) reward, an all-equal group, multi-turn masks on every
+    fifth row (a 1-token one all 0), engine log-probs; with remax a greedy baseline row per group; shuffled: out
+    of rollout_id order."""
+    lengths = rng.integers(1, 12, N)
+    reward = rng.integers(0, 2, N).astype(np.float64)
+    reward[:8], reward[9] = 1.0, np.nan
+    multi = np.arange(N) % 5 == 0
+    df = pd.DataFrame(
+        {
+            "rollout_id": np.arange(N),
+            "group_id": np.arange(N) // 8,
+            "policy_version": 0,
+            "prompt_token_ids": [list(range(k)) for k in rng.integers(2, 9, N)],
+            "response_token_ids": [list(range(k)) for k in lengths],
+            "rollout_logprobs": [list(-rng.exponential(0.5, k)) for k in lengths],
+            "response_mask": [[1] * (k - 1) + [0] if m else None for k, m in zip(lengths, multi)],
+            "response_length": lengths.astype(np.int32),
+            "reward": reward,
+            "score": reward,
+            **{"prompt_id": np.arange(N) // 8, "sample_index": np.arange(N) % 8, "data_source": "openai/gsm8k"},
+            **{"ground_truth": "1", "prompt_text": "q", "response_text": "#### 1", "finish_reason": "stop"},
+            **{"engine": "hf", "engine_sync": "build", "engine_weights_fingerprint": "x", "reward_fn": "gsm8k"},
+            **{"reward_error": None, "overlong_penalty": 0.0},
+        }
+    )
+    if remax:
+        df["is_baseline"] = np.arange(N) % 8 == 7
+    return df.sample(frac=1.0, random_state=0).reset_index(drop=True) if shuffled else df
+
+
+def _token_table(scored: pd.DataFrame, column: str, rng: np.random.Generator, **extra) -> pd.DataFrame:
+    """A per-token upstream table (old/ref/teacher log-probs, values) of the rollouts, in reverse order."""
+    rows = scored.sort_values("rollout_id", ascending=False)
+    lists = [list(-rng.exponential(0.5, int(k))) for k in rows["response_length"]]
+    return pd.DataFrame({"rollout_id": rows["rollout_id"].to_numpy(), column: lists, **extra})
+
+
+def _write(tmp_path, name: str, df: pd.DataFrame, it: int = 1) -> Partition:
+    uri = str(tmp_path / name)
+    version = store.write_partition(uri, name, df, run_id=RUN, iteration=it, lineage={})
+    return Partition(uri, RUN, it, version)
+
+
+def _read(part: Partition | None) -> pd.DataFrame | None:
+    return None if part is None else pd.concat(list(part.batches()), ignore_index=True)
+
+
+CASES = {
+    "grpo": AlgorithmConfig(),
+    "dr_grpo": AlgorithmConfig(norm_adv_by_std_in_grpo=False),
+    "rloo": AlgorithmConfig(adv_estimator="rloo"),
+    "opo": AlgorithmConfig(adv_estimator="opo"),
+    "reinforce_pp": AlgorithmConfig(adv_estimator="reinforce_plus_plus", gamma=0.9),
+    "reinforce_pp_baseline": AlgorithmConfig(adv_estimator="reinforce_plus_plus_baseline"),
+    "remax": AlgorithmConfig(adv_estimator="remax"),
+    "gae": AlgorithmConfig(adv_estimator="gae", gamma=0.95, lam=0.9),
+    "gae_kl_in_reward": AlgorithmConfig(adv_estimator="gae", use_kl_in_reward=True),
+    "grpo_kl_adaptive": AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive")),
+    "grpo_distill": AlgorithmConfig(distillation=DistillationConfig(enable=True, teacher_model_path="t")),
+    "grpo_filter_groups": AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=True, metric="acc")),
+}
+
+
+def _cfg(alg: AlgorithmConfig):
+    return SimpleNamespace(
+        algorithm=alg, reward=SimpleNamespace(on_error="flag", score=1.0), data=SimpleNamespace(train_batch_size=3)
+    )
+
+
+def _upstream(tmp_path, alg: AlgorithmConfig, *, shuffled: bool = False) -> Upstream:
+    rng = np.random.default_rng(0)
+    scored = _scored(rng, remax=alg.adv_estimator == "remax", shuffled=shuffled)
+    gap = {"rollout_probs_diff_max": rng.random(N), "rollout_probs_diff_mean": rng.random(N)}
+    previous = None
+    if alg.kl_ctrl.type == "adaptive":  # the previous iteration's stored beta and per-rollout KL
+        prev = pa.table({"run_id": [RUN] * N, "iteration": [0] * N, "kl_coef": [0.05] * N, "reward_kl": rng.random(N)})
+        write_deltalake(str(tmp_path / "previous"), prev, partition_by=["run_id", "iteration"])
+        previous = Partition(str(tmp_path / "previous"), RUN, 0, None)
+    return Upstream(
+        scored=_write(tmp_path, "scored_rollouts", scored),
+        old=_write(tmp_path, "old_logprobs", _token_table(scored, "old_logprobs", rng, policy_version=0, **gap)),
+        ref=_write(
+            tmp_path, "ref_logprobs", _token_table(scored, "ref_logprobs", rng, policy_version=0, ref_policy_version=0)
+        ),
+        values=_write(tmp_path, "values", _token_table(scored, "values", rng, critic_version=0)),
+        teacher=_write(tmp_path, "teacher_logprobs", _token_table(scored, "teacher_logprobs", rng, policy_version=0)),
+        previous=previous,
+    )
+
+
+def _whole_frame_table(tmp_path, cfg, up: Upstream) -> pd.DataFrame:
+    """What the asset wrote before #36: the whole frames through iteration_advantages, the table written whole."""
+    frames = {k: _read(getattr(up, k)) for k in ("values", "ref", "old", "teacher", "previous")}
+    adv, _ = iteration_advantages(cfg, _read(up.scored), **frames)
+    uri = str(tmp_path / "whole")
+    return _read(
+        Partition(uri, RUN, 1, store.write_partition(uri, "advantages", adv, run_id=RUN, iteration=1, lineage={}))
+    )
+
+
+def _assert_same(streamed: pd.DataFrame, whole: pd.DataFrame) -> None:
+    assert list(streamed.columns) == list(whole.columns)
+    for column in whole.columns:  # repr: exact floats, NaN == NaN, list against list
+        a = [repr(np.asarray(v).tolist()) for v in streamed[column]]
+        b = [repr(np.asarray(v).tolist()) for v in whole[column]]
+        assert a == b, column
+
+
+@pytest.mark.parametrize("batch_rows", [None, 5, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_table_equals_the_whole_frame_one(tmp_path, case: str, batch_rows: int | None) -> None:
+    cfg = _cfg(CASES[case])
+    up = _upstream(tmp_path, cfg.algorithm)
+    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=batch_rows)
+    assert run.mode == "streamed"
+    streamed = _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version))
+    whole = _whole_frame_table(tmp_path, cfg, up)
+    _assert_same(streamed, whole)
+    assert run.dropped == 1  # reward[9] is NaN
+    np.testing.assert_array_equal(run.summary["advantage"].to_numpy(), whole["advantage"].to_numpy())
+    files = store.open_table(str(tmp_path / "advantages")).to_pyarrow_dataset().get_fragments()
+    assert (len(list(files)) > 2) if batch_rows else (len(list(files)) == 1)  # a file per batch with kept rows
+
+
+def test_out_of_order_partition_with_group_filter_falls_back_to_the_whole_frame(tmp_path) -> None:
+    """DAPO's filter orders the kept rows by rollout_id: a scored partition out of that order cannot be streamed
+    in today's row order, so the stage takes the explicit whole-frame path, with the same table."""
+    cfg = _cfg(CASES["grpo_filter_groups"])
+    up = _upstream(tmp_path, cfg.algorithm, shuffled=True)
+    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=4)
+    assert run.mode == "whole-frame"
+    _assert_same(
+        _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), _whole_frame_table(tmp_path, cfg, up)
+    )
+
+
+def test_shuffled_partition_without_filter_streams(tmp_path) -> None:
+    cfg = _cfg(CASES["grpo"])
+    up = _upstream(tmp_path, cfg.algorithm, shuffled=True)
+    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=4)
+    assert run.mode == "streamed"
+    _assert_same(
+        _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), _whole_frame_table(tmp_path, cfg, up)
+    )
+
+
+def test_missing_old_logprobs_rows_name_the_rollouts(tmp_path) -> None:
+    cfg = _cfg(CASES["grpo"])
+    up = _upstream(tmp_path, cfg.algorithm)
+    old = _read(up.old)
+    short = Partition(
+        str(tmp_path / "old2"),
+        RUN,
+        1,
+        store.write_partition(
+            str(tmp_path / "old2"),
+            "old_logprobs",
+            old[old["rollout_id"] != 3].drop(columns=["run_id", "iteration"], errors="ignore"),
+            run_id=RUN,
+            iteration=1,
+            lineage={},
+        ),
+    )
+    with pytest.raises(ValueError, match=r"rollouts \[3\] have no old log-probs"):
+        stream_advantages(cfg, Upstream(up.scored, old=short), str(tmp_path / "advantages"), lineage={})
