@@ -1,0 +1,338 @@
+"""Cluster vs local iteration overhead on one box (issue #37 item 4): the same ci_tiny run, both ways.
+
+    nice python bench/cluster_overhead.py --steps 4 --json /work/bench_cluster/overhead.json
+
+(a) local: `rlake train` as a user runs it by default (local Ray, local Delta, sqlite MLflow, a fresh
+    DAGSTER_HOME on sqlite), all under --workdir;
+(b) cluster: docs/cluster.md's set-up as tests/cluster/test_cluster_train.py builds it (reused, not copied): a Ray
+    head + 2 worker nodes on 127.0.0.1, each with a private /tmp, token auth, SeaweedFS S3 for tables and
+    checkpoints, Postgres for Dagster and MLflow, an MLflow server; the driver runs on the head.
+Both get the same overrides (total_training_steps, test_freq=100: validation before the first and after the last
+iteration). Per iteration: wall = this iteration's Dagster run end - the previous one's end (its creation for
+iteration 0), so launching the run counts; compute = timing_s/step + timing_s/testing from iteration_metrics (the
+stages' own time and validation); overhead = wall - compute. Also per Dagster step: step wall - stage time, and
+the run's wall outside its steps (Dagster's run machinery). Postgres sessions opened per iteration come from
+pg_stat_database.sessions, sampled every 0.5 s. Iteration 0 starts the workers and is left out of the means.
+The cluster's data lives under --workdir (not /tmp: every node hides /tmp behind its own tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIG = "configs/ci_tiny.yaml"
+RUN_ID = "overhead"
+SQLITE_HOME = "telemetry:\n  enabled: false\n"
+
+
+def _timings(metrics, run_id: str, it: int) -> dict[str, float]:
+    m = metrics[(metrics["run_id"] == run_id) & (metrics["iteration"] == it)]
+    return {r.metric: float(r.value) for r in m.itertuples() if r.metric.startswith("timing_s/")}
+
+
+def _sessions_at(samples: list[tuple[float, int]], t: float) -> int | None:
+    """Postgres sessions counted by the last sample at or before t."""
+    before = [n for ts, n in samples if ts <= t]
+    return before[-1] if before else None
+
+
+def per_iteration(instance, metrics, run_id: str, samples: list[tuple[float, int]] | None = None) -> list[dict]:
+    """One row per iteration: wall, compute, overhead, the step breakdown, Postgres sessions opened."""
+    import dagster as dg
+
+    from bench.overhead import TIMING_OF_STEP, _step_walls
+
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"rlake/run_id": run_id}))
+    rows, prev_end = [], None
+    for run in sorted(runs, key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp):
+        record = instance.get_run_record_by_id(run.run_id)
+        partition = run.tags.get("dagster/partition/iteration")
+        if partition is None or record.end_time is None:
+            prev_end = record.end_time or prev_end
+            continue  # the set-up run (partition: the run id alone)
+        it = int(partition)
+        start = prev_end if prev_end is not None else record.create_timestamp.timestamp()
+        timing = _timings(metrics, run_id, it)
+        compute = timing.get("timing_s/step", 0.0) + timing.get("timing_s/testing", 0.0)
+        run_wall, steps = _step_walls(instance, run.run_id)
+        asset = {s: w - timing.get(TIMING_OF_STEP.get(s, f"timing_s/{s}"), 0.0) for s, w in steps.items()}
+        row = {
+            "iteration": it,
+            "wall_s": record.end_time - start,
+            "compute_s": compute,
+            "overhead_s": record.end_time - start - compute,
+            "before_run_start_s": record.end_time - start - run_wall,  # launch + planned events + gap
+            "run_outside_steps_s": run_wall - sum(steps.values()),  # Dagster's run machinery
+            "step_minus_stage_s": asset,  # asset reads/writes, metadata, step events
+        }
+        if samples:
+            a, b = _sessions_at(samples, start), _sessions_at(samples, record.end_time)
+            row["pg_sessions"] = b - a if a is not None and b is not None else None
+        rows.append(row)
+        prev_end = record.end_time
+    return rows
+
+
+class SessionSampler:
+    """pg_stat_database.sessions summed over the dagster and mlflow databases, every 0.5 s, on one connection."""
+
+    def __init__(self, pg) -> None:
+        import psycopg2
+
+        self.conn = psycopg2.connect(host="127.0.0.1", port=pg.port, user=pg.user, dbname="rlake_probe")
+        self.conn.autocommit = True
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        with self.conn.cursor() as cur:
+            while not self._stop.is_set():
+                cur.execute(
+                    "select coalesce(sum(sessions), 0) from pg_stat_database where datname in %s",
+                    (("dagster", "mlflow"),),
+                )
+                self.samples.append((time.time(), int(cur.fetchone()[0])))
+                self._stop.wait(0.5)
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.conn.close()
+        return self.samples
+
+
+def _instance(home: Path):
+    import dagster as dg
+
+    return dg.DagsterInstance.from_config(str(home))
+
+
+def run_local(workdir: Path, steps: int, extra: list[str]) -> dict:
+    from deltalake import DeltaTable
+
+    out = workdir / "local"
+    home = out / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text(SQLITE_HOME)
+    args = ["train", "--config", CONFIG, "--run-id", RUN_ID, f"trainer.output_dir={out}", *_common(steps), *extra]
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    total = time.time() - t0
+    _check(proc, "local")
+    metrics = DeltaTable(str(out / "tables" / "iteration_metrics")).to_pandas()
+    return {"total_s": total, "iterations": per_iteration(_instance(home), metrics, RUN_ID)}
+
+
+def _common(steps: int) -> list[str]:
+    return [f"trainer.total_training_steps={steps}", "trainer.test_freq=100"]
+
+
+def _check(proc: subprocess.CompletedProcess, mode: str) -> None:
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def run_cluster(workdir: Path, steps: int, extra: list[str]) -> dict:
+    from tests.cluster.test_cluster_train import DAGSTER_YAML, Env
+
+    t0 = time.time()
+    env = Env(workdir / "cluster")
+    setup = time.time() - t0
+    try:
+        home = workdir / "cluster" / "bench_dagster_home"  # this process's view of the driver's Postgres instance
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "dagster.yaml").write_text(DAGSTER_YAML)
+        os.environ["RLAKE_TEST_DAGSTER_PG_URL"] = env.dagster_pg
+        sampler = SessionSampler(env.pg)
+        t0 = time.time()
+        proc = env.driver(
+            "train", "--config", CONFIG, "--run-id", RUN_ID, *env.overrides(), *_common(steps), *extra, timeout=3000
+        )
+        total = time.time() - t0
+        samples = sampler.stop()
+        _check(proc, "cluster")
+        metrics = env.table("iteration_metrics").to_pandas()
+        rows = per_iteration(_instance(home), metrics, RUN_ID, samples)
+        return {
+            "total_s": total,
+            "setup_s": setup,
+            "pg_sessions_total": samples[-1][1] - samples[0][1],
+            "iterations": rows,
+        }
+    finally:
+        env.stop()
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if r["iteration"] > 0 and r.get(key) is not None]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def table(local: dict, cluster: dict) -> str:
+    """Markdown: per iteration both modes side by side, then the means over iterations >= 1 and the ratio."""
+    head = (
+        "| iteration | local wall s | local compute s | local overhead s | cluster wall s | cluster compute s "
+        "| cluster overhead s | overhead ratio | cluster PG sessions |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    by_it = {r["iteration"]: r for r in cluster["iterations"]}
+    for lr in local["iterations"]:
+        cr = by_it.get(lr["iteration"], {})
+        ratio = cr.get("overhead_s", float("nan")) / lr["overhead_s"] if lr["overhead_s"] else float("nan")
+        lines.append(
+            f"| {lr['iteration']} | {lr['wall_s']:.2f} | {lr['compute_s']:.2f} | {lr['overhead_s']:.2f} "
+            f"| {cr.get('wall_s', float('nan')):.2f} | {cr.get('compute_s', float('nan')):.2f} "
+            f"| {cr.get('overhead_s', float('nan')):.2f} | {ratio:.2f} | {cr.get('pg_sessions')} |"
+        )
+    lo, co = _mean(local["iterations"], "overhead_s"), _mean(cluster["iterations"], "overhead_s")
+    lines.append(
+        f"| **mean, it >= 1** | {_mean(local['iterations'], 'wall_s'):.2f} "
+        f"| {_mean(local['iterations'], 'compute_s'):.2f} | {lo:.2f} | {_mean(cluster['iterations'], 'wall_s'):.2f} "
+        f"| {_mean(cluster['iterations'], 'compute_s'):.2f} | {co:.2f} | **{co / lo:.2f}** "
+        f"| {_mean(cluster['iterations'], 'pg_sessions'):.1f} |"
+    )
+    return "\n".join(lines)
+
+
+def breakdown(local: dict, cluster: dict) -> str:
+    """Markdown: where the overhead sits, means over iterations >= 1."""
+    lines = ["| part of the overhead (mean, it >= 1) | local s | cluster s |", "|---|---|---|"]
+    for key in ("before_run_start_s", "run_outside_steps_s"):
+        lines.append(f"| {key} | {_mean(local['iterations'], key):.2f} | {_mean(cluster['iterations'], key):.2f} |")
+    steps = sorted({s for r in local["iterations"] + cluster["iterations"] for s in r["step_minus_stage_s"]})
+    for s in steps:
+        vals = []
+        for mode in (local, cluster):
+            v = [r["step_minus_stage_s"].get(s) for r in mode["iterations"] if r["iteration"] > 0]
+            v = [x for x in v if x is not None]
+            vals.append(statistics.fmean(v) if v else float("nan"))
+        lines.append(f"| step {s}: step wall - stage time | {vals[0]:.2f} | {vals[1]:.2f} |")
+    return "\n".join(lines)
+
+
+def _timed(fn, n: int) -> float:
+    """Median seconds of n calls of fn (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _delta_probes(uri: str, options: dict[str, str]) -> dict[str, float]:
+    import pandas as pd
+    from deltalake import DeltaTable, write_deltalake
+
+    df = pd.DataFrame({"iteration": range(32), "value": [0.5] * 32})
+    append = lambda: write_deltalake(uri, df, mode="append", storage_options=options)  # noqa: E731
+    return {
+        "delta append 32 rows": _timed(append, 5),
+        "delta open + read": _timed(lambda: DeltaTable(uri, storage_options=options).to_pandas(), 5),
+    }
+
+
+def _mlflow_probes(tracking_uri: str) -> dict[str, float]:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.create_experiment(f"probe-{time.time_ns()}")
+    run = client.create_run(exp).info.run_id
+    metrics = [Metric(f"m{i}", 1.0, 0, 0) for i in range(50)]
+    return {
+        "mlflow log_batch 50 metrics": _timed(lambda: client.log_batch(run, metrics=metrics), 5),
+        "mlflow get_run": _timed(lambda: client.get_run(run), 5),
+    }
+
+
+def _dagster_probes(home: Path) -> dict[str, float]:
+    from pipelines.dagster_storage import pool_postgres_connections
+
+    instance = _instance(home)
+    pool_postgres_connections(instance)
+    return {"dagster get_run_records(limit=5)": _timed(lambda: instance.get_run_records(limit=5), 20)}
+
+
+def probes(workdir: Path) -> dict[str, dict[str, float]]:
+    """The single round trips an iteration makes many of, local storage vs the cluster's services (no Ray)."""
+    from tests.cluster.test_cluster_train import DAGSTER_YAML
+    from tests.servers import start_mlflow, start_postgres, start_s3
+
+    pg, s3 = start_postgres(workdir / "probe_pg"), start_s3(workdir / "probe_s3")
+    mlflow = start_mlflow(workdir / "probe_mlflow", pg.create_db("mlflow"), s3.root("mlartifacts"), s3.env)
+    try:
+        local_home, pg_home = workdir / "probe_local_home", workdir / "probe_pg_home"
+        for home, text in ((local_home, SQLITE_HOME), (pg_home, DAGSTER_YAML)):
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "dagster.yaml").write_text(text)
+        os.environ["RLAKE_TEST_DAGSTER_PG_URL"] = pg.create_db("dagster")
+        from pipelines.dagster_storage import dagster_home
+
+        os.environ["DAGSTER_HOME"] = str(local_home)
+        dagster_home(str(workdir))  # adds rlake's pooled sqlite event log, as `rlake train` does
+        local = {**_delta_probes(str(workdir / "probe_table"), {}), **_dagster_probes(local_home)}
+        local.update(_mlflow_probes(f"sqlite:///{workdir / 'probe_mlflow.db'}"))
+        options = {**s3.env}
+        cluster = {**_delta_probes(f"{s3.root('probe')}/table", options), **_dagster_probes(pg_home)}
+        cluster.update(_mlflow_probes(mlflow.url))
+        return {"local": local, "cluster": cluster}
+    finally:
+        mlflow.stop()
+        s3.stop()
+        pg.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="iterations per run (iteration 0 is left out of means)")
+    ap.add_argument("--workdir", default="/work/bench_cluster", help="not under /tmp (the nodes hide it)")
+    ap.add_argument("--json", default=None, help="write every number here")
+    ap.add_argument("--only", choices=["local", "cluster", "probes"], default=None)
+    ap.add_argument("--probes", action="store_true", help="also time single storage/MLflow/Dagster round trips")
+    ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
+    args = ap.parse_args()
+    if args.workdir == "/tmp" or args.workdir.startswith("/tmp/"):
+        ap.error("--workdir under /tmp: every cluster node hides /tmp behind its own tmpfs")
+    workdir = Path(args.workdir) / time.strftime("%Y%m%d-%H%M%S")
+    res: dict = {"config": CONFIG, "steps": args.steps, "load_before": os.getloadavg()}
+    if args.only in (None, "local"):
+        res["local"] = run_local(workdir, args.steps, args.overrides)
+        res["load_between"] = os.getloadavg()
+    if args.only in (None, "cluster"):
+        res["cluster"] = run_cluster(workdir, args.steps, args.overrides)
+    if args.probes or args.only == "probes":
+        res["probes"] = probes(workdir)
+    res["load_after"] = os.getloadavg()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    if "local" in res and "cluster" in res:
+        print(table(res["local"], res["cluster"]) + "\n\n" + breakdown(res["local"], res["cluster"]))
+    elif "probes" not in res:
+        print(json.dumps(res, indent=1, default=str))
+    if "probes" in res:
+        print("\n| round trip (median s) | local | cluster |\n|---|---|---|")
+        for k, v in res["probes"]["local"].items():
+            print(f"| {k} | {v:.4f} | {res['probes']['cluster'][k]:.4f} |")
+    print(f"load average before/between/after: {res['load_before']} {res.get('load_between')} {res['load_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
