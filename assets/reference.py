@@ -1,11 +1,10 @@
 """Reference-policy log-probs of each iteration's rollouts (KL loss / KL in reward)."""
 
 import dagster as dg
-import numpy as np
 
 from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import engine_logprobs_and_masks
+from stages.old_logprobs import engine_minus
 from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
 
 
@@ -36,14 +35,7 @@ def ref_logprobs(
         model_version=REF_POLICY_VERSION,
         compute=reference_logprobs,
     )
-    engine, masks = engine_logprobs_and_masks(df, out["rollout_id"])
-    log_ratio = np.concatenate(  # over the model's tokens (observation tokens' rollout_logprobs are placeholders)
-        [
-            (np.asarray(a) - np.asarray(b))[np.ones(len(a), bool) if m is None else np.asarray(m, bool)]
-            for a, b, m in zip(engine, out["ref_logprobs"], masks or [None] * len(engine), strict=True)
-        ]
-        or [np.zeros(0)]
-    )
+    log_ratio = engine_minus(df, out, "ref_logprobs")  # over the model's own tokens (observation tokens: placeholders)
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,

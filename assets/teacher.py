@@ -1,11 +1,10 @@
 """The distillation teacher's log-probs of each iteration's rollouts (algorithm.distillation, on-policy)."""
 
 import dagster as dg
-import numpy as np
 
 from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import engine_logprobs_and_masks
+from stages.old_logprobs import engine_minus
 from stages.teacher_logprobs import teacher_logprobs as compute_teacher_logprobs
 
 
@@ -31,14 +30,7 @@ def teacher_logprobs(
         context, cfg, rollout_store, model_store, ray,
         table="teacher_logprobs", model_version=0, compute=compute_teacher_logprobs,
     )  # fmt: skip
-    engine, masks = engine_logprobs_and_masks(df, out["rollout_id"])
-    reverse_kl = np.concatenate(  # the engine's (student's) minus the teacher's, over the student's own tokens
-        [
-            (np.asarray(a) - np.asarray(b))[np.ones(len(a), bool) if m is None else np.asarray(m, bool)]
-            for a, b, m in zip(engine, out["teacher_logprobs"], masks or [None] * len(engine), strict=True)
-        ]
-        or [np.zeros(0)]
-    )
+    reverse_kl = engine_minus(df, out, "teacher_logprobs")  # the student's sampled tokens: log pi_s - log pi_t
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,

@@ -101,6 +101,20 @@ def engine_logprobs_and_masks(rollouts: pd.DataFrame, rollout_ids) -> tuple[list
     return rows["rollout_logprobs"].tolist(), row_masks(rows.get("response_mask"))
 
 
+def engine_minus(rollouts: pd.DataFrame, rows: pd.DataFrame, column: str) -> np.ndarray:
+    """The engine's log-probs minus `rows[column]` (another model's per-token log-probs of the same rollouts,
+    matched by rows["rollout_id"]), concatenated over the tokens the policy sampled (response mask 1): the
+    per-token log-ratio whose mean is k1 (ref_logprobs) or the reverse KL to a teacher (teacher_logprobs)."""
+    engine, masks = engine_logprobs_and_masks(rollouts, rows["rollout_id"])
+    return np.concatenate(
+        [
+            (np.asarray(a) - np.asarray(b))[np.ones(len(a), bool) if m is None else np.asarray(m, bool)]
+            for a, b, m in zip(engine, rows[column], masks or [None] * len(engine), strict=True)
+        ]
+        or [np.zeros(0)]
+    )
+
+
 def probs_gap(
     old_logprobs: Sequence[Sequence[float]],
     rollout_logprobs: Sequence[Sequence[float]],
