@@ -97,17 +97,8 @@ def compute_advantage_table(
     old_lp, old_cols = old_logprob_columns(scored, old, lengths, mask.shape[1])  # (N, L) or None, the table's
     # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
     token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef, old_lp)
-    adv, returns = compute_advantages(
-        algorithm_cfg.adv_estimator,
-        token_level_rewards=token_rewards,
-        response_mask=mask,
-        values=critic_values(scored, values, mask.shape[1]) if algorithm_cfg.adv_estimator == "gae" else None,
-        lam=algorithm_cfg.lam,
-        group_ids=torch.tensor(scored["group_id"].to_numpy(dtype=np.int64)),
-        baseline_rewards=baseline_rewards,
-        gamma=algorithm_cfg.gamma,
-        norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
-    )
+    gae_values = critic_values(scored, values, mask.shape[1]) if algorithm_cfg.adv_estimator == "gae" else None
+    adv, returns = estimate(algorithm_cfg, token_rewards, mask, scored["group_id"], gae_values, baseline_rewards)
     adv, distill_cols = distillation_columns(scored, teacher, adv, mask, old_lp, algorithm_cfg.distillation)
     keys = ("rollout_id", "group_id", "policy_version", "prompt_token_ids", "response_token_ids")
     return pd.DataFrame(
@@ -124,6 +115,23 @@ def compute_advantage_table(
             **distill_cols,
             "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
         }
+    )
+
+
+def estimate(algorithm_cfg, token_rewards, mask, group_ids, values=None, baseline_rewards=None):
+    """(advantages, returns), each (N, L): algorithm.adv_estimator over token_rewards and mask (N, L), with the
+    algorithm's lam / gamma / norm_adv_by_std_in_grpo; group_ids (N,) the rows' group_id column; values (N, L)
+    for gae, baseline_rewards (N,) for remax."""
+    return compute_advantages(
+        algorithm_cfg.adv_estimator,
+        token_level_rewards=token_rewards,
+        response_mask=mask,
+        values=values,
+        lam=algorithm_cfg.lam,
+        group_ids=torch.tensor(np.asarray(group_ids, dtype=np.int64)),
+        baseline_rewards=baseline_rewards,
+        gamma=algorithm_cfg.gamma,
+        norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
     )
 
 
@@ -254,12 +262,21 @@ def reward_kl_columns(
         return token_rewards, cols
     ref_lp = ragged_to_padded(ref_lists, mask.shape[1])  # (N, L)
     lp = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
+    rewards, kl_cols = kl_in_reward(algorithm_cfg, token_rewards, mask, lp, ref_lp, kl_coef)
+    return rewards, cols | kl_cols
+
+
+def kl_in_reward(
+    algorithm_cfg, token_rewards, mask, student, ref_lp, kl_coef: float | None
+) -> tuple[torch.Tensor, dict]:
+    """verl's apply_kl_penalty on dense tensors: (token rewards (N, L) less beta * KL_t(student, ref_lp), the
+    kl_coef / reward_kl (N,) columns: beta and each rollout's token-mean KL). token_rewards, mask, student (the
+    actor's log-probs), ref_lp: (N, L); kl_coef None: algorithm.kl_ctrl.kl_coef."""
     beta = algorithm_cfg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
-    rewards, _ = apply_kl_penalty(token_rewards, lp, ref_lp, mask, beta, algorithm_cfg.kl_penalty)
-    kld = compute_kl_penalty(lp, ref_lp, algorithm_cfg.kl_penalty) * mask  # (N, L)
-    cols["reward_kl"] = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
-    cols["kl_coef"] = np.full(n, beta)
-    return rewards, cols
+    rewards, _ = apply_kl_penalty(token_rewards, student, ref_lp, mask, beta, algorithm_cfg.kl_penalty)
+    kld = compute_kl_penalty(student, ref_lp, algorithm_cfg.kl_penalty) * mask  # (N, L)
+    reward_kl = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
+    return rewards, {"kl_coef": np.full(len(mask), beta), "reward_kl": reward_kl}
 
 
 def distillation_columns(
@@ -295,18 +312,24 @@ def distillation_columns(
             "is from other rollouts: re-materialize teacher_logprobs of this iteration after its rollouts"
         )
     student = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
+    adv, cols["teacher_kl"] = distilled(adv, student, ragged_to_padded(lists, mask.shape[1]), mask, distill_cfg)
+    cols["teacher_logprobs"] = lists
+    return adv, cols
+
+
+def distilled(adv, student, teacher_lp, mask, distill_cfg) -> tuple[torch.Tensor, np.ndarray]:
+    """(compute_distillation_advantages of adv with algorithm.distillation's knobs, each rollout's token-mean
+    reverse KL (N,) float64). adv, student, teacher_lp, mask: (N, L)."""
     adv, reverse_kl = compute_distillation_advantages(
         adv,
         student,
-        ragged_to_padded(lists, mask.shape[1]),  # (N, L)
+        teacher_lp,
         mask,
         kl_penalty_coef=distill_cfg.kl_penalty_coef,
         use_task_rewards=distill_cfg.use_task_rewards,
         loss_max_clamp=distill_cfg.loss_max_clamp,
     )
-    cols["teacher_logprobs"] = lists
-    cols["teacher_kl"] = teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
-    return adv, cols
+    return adv, teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
 
 
 def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float:

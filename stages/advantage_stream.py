@@ -35,23 +35,23 @@ import torch
 
 from configs.schema import RunConfig
 from stages.advantage import (
+    distilled,
     drop_flagged_rollouts,
     engine_logprob_lists,
+    estimate,
     finite_rewards,
     iteration_advantages,
     kl_coef_for_iteration,
+    kl_in_reward,
     remax_baseline_rewards,
 )
 from stages.algos.advantages import (
     broadcast_to_tokens,
-    compute_advantages,
     compute_grpo_advantages,
     compute_opo_advantages,
     compute_rloo_advantages,
     outcome_to_token_rewards,
 )
-from stages.algos.distill import compute_distillation_advantages, teacher_kl_per_rollout
-from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
 from stages.filter_groups import select_training_groups, split_baseline_rows
 from stages.io.stage_exec import BATCH_ROWS, Partition, write_frames
 from stages.train.batching import loss_mask, ragged_to_padded, row_masks
@@ -179,15 +179,6 @@ def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: b
     return mask, lp
 
 
-def kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef, n: int) -> tuple[torch.Tensor, dict]:
-    """stages.advantage.reward_kl_columns' math on dense (N, L) inputs: (token rewards, kl_coef / reward_kl)."""
-    beta = alg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
-    rewards, _ = apply_kl_penalty(token_rewards, student, ref_lp, mask, beta, alg.kl_penalty)
-    kld = compute_kl_penalty(student, ref_lp, alg.kl_penalty) * mask  # (N, L)
-    reward_kl = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
-    return rewards, {"kl_coef": np.full(n, beta), "reward_kl": reward_kl}
-
-
 @dataclass(frozen=True)
 class Outputs:
     """The stage's numbers: advantages (N, L) and returns (N, L), or per-row advantages (N,) whose token rows are
@@ -263,32 +254,13 @@ def dense_advantages(cfg: RunConfig, kept, baselines, joined: dict, mask, engine
         student = padded(joined["old"]["old_logprobs"], width)  # (N, L) the actor's recomputed log-probs
     if alg.use_kl_in_reward:
         ref_lp = padded(joined["ref"]["ref_logprobs"], width)  # (N, L)
-        token_rewards, kl_cols = kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef, n)
+        token_rewards, kl_cols = kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef)
         cols |= kl_cols
-    adv, returns = compute_advantages(
-        alg.adv_estimator,
-        token_level_rewards=token_rewards,
-        response_mask=mask,
-        values=padded(joined["values"]["values"], width) if alg.adv_estimator == "gae" else None,
-        lam=alg.lam,
-        group_ids=torch.tensor(kept["group_id"].to_numpy(dtype=np.int64)),
-        baseline_rewards=baseline_rewards,
-        gamma=alg.gamma,
-        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-    )
+    gae_values = padded(joined["values"]["values"], width) if alg.adv_estimator == "gae" else None
+    adv, returns = estimate(alg, token_rewards, mask, kept["group_id"], gae_values, baseline_rewards)
     if alg.distillation.enable:
-        d = alg.distillation
         teacher = padded(joined["teacher"]["teacher_logprobs"], width)  # (N, L)
-        adv, reverse_kl = compute_distillation_advantages(
-            adv,
-            student,
-            teacher,
-            mask,
-            kl_penalty_coef=d.kl_penalty_coef,
-            use_task_rewards=d.use_task_rewards,
-            loss_max_clamp=d.loss_max_clamp,
-        )
-        cols["teacher_kl"] = teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
+        adv, cols["teacher_kl"] = distilled(adv, student, teacher, mask, alg.distillation)
     return Outputs(adv, returns, rewards, cols)
 
 
