@@ -1,11 +1,14 @@
-"""bf16 against fp32: the same policy update (same batch, same seed) at actor.mixed_precision.param_dtype
-float32 and bfloat16, on a config's model and batch shape (default configs/smollm2_gsm8k_cpu.yaml).
+"""bf16 against fp32: the same policy update (same batch, same seed) in three precision modes, on a config's
+model and batch shape (default configs/smollm2_gsm8k_cpu.yaml): float32; bfloat16 (actor.mixed_precision.
+param_dtype=bfloat16: autocast over float32 parameters); fp32_master (param_dtype=bfloat16 with
+master_weights=fp32_master: bf16 parameters, float32 AdamW masters, stages/train/master.py).
 
-Per precision, in this process, from a fresh load of the checkpoint: the old_logprobs stage's recomputation
-(stages.train.actor.compute_logprobs, what ActorWorker.compute_log_prob runs) and then the update
-(stages.train.actor.ppo_update with those old log-probs, as the pipeline's update), each timed. Then the two
-updates are compared: metrics side by side, and the distance between the two updated weight sets against
-the size of the fp32 step.
+Per mode, in a fresh child process (so its peak RSS is its own), from a fresh load of the checkpoint: the
+old_logprobs stage's recomputation (stages.train.actor.compute_logprobs, what ActorWorker.compute_log_prob runs)
+and then the update (stages.train.actor.ppo_update with those old log-probs, as the pipeline's update), each
+timed; the peak RSS during both (sampled every 10 ms, bench/lora_update.py's PeakRss) and the bytes of the
+parameters, the masters and the AdamW state. Then the updates are compared with float32's: metrics side by
+side, and the distance between the updated (float32 or master) weight sets against the size of the fp32 step.
 
 The batch has the config's shape: data.train_batch_size prompts of the config's task (the real few-shot
 word-problem prompts, chat-encoded) x rollout.n responses. The responses are not sampled (an HF generate of
@@ -17,14 +20,17 @@ seconds (time.process_time, all its threads) are both reported: on a shared mach
 waiting for the cores, the CPU time much less so.
 
     nice -n 10 python bench/bf16_update.py --out bench_bf16.json
-    python bench/bf16_update.py --prompts 2 --samples 4 --max-response 32   # a quick smoke run
+    nice -n 10 python bench/bf16_update.py --prompts 2 --samples 8 --max-response 64   # a smaller shape
+    python bench/bf16_update.py --prompts 2 --samples 4 --max-response 32 --modes float32 fp32_master  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lora_update import PeakRss
 from configs.schema import RunConfig, load_config
 from stages.algos.advantages import compute_grpo_advantages
 from stages.data.word_problems import generate_word_problem_task
@@ -43,9 +50,15 @@ from stages.models.smollm2 import resolve_model_path
 from stages.run.machine import cpu_flags, cpu_model
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import actor_batch, logprob_temperature
+from stages.train.master import float32_params
 from stages.train.optim import make_optimizer
 
-PRECISIONS = ("float32", "bfloat16")
+MODES = {
+    "float32": {"param_dtype": "float32"},
+    "bfloat16": {"param_dtype": "bfloat16"},
+    "fp32_master": {"param_dtype": "bfloat16", "master_weights": "fp32_master"},
+}
+"""Each mode's actor.mixed_precision ('bfloat16' is the autocast mode)."""
 COMPUTE = (torch.float32, torch.bfloat16)
 COMPARED = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm")
 
@@ -90,46 +103,65 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def run_one(model_dir: str, cfg: RunConfig, rows: dict, param_dtype: str, seed: int, n_samples: int) -> dict:
-    """Old log-probs + update of a fresh load at param_dtype; timings, metrics and the updated weights."""
+def tensor_mb(tensors) -> float:
+    """MiB of `tensors` (each counted once, by storage pointer: tied weights are one)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values()) / 2**20
+
+
+def run_one(model_dir: str, cfg: RunConfig, rows: dict, mode: str, seed: int, n_samples: int) -> dict:
+    """Old log-probs + update of a fresh load in `mode` (MODES); timings, memory, metrics and the updated
+    (float32: fp32_master's masters) weights."""
     n_prompts = len(rows["response_token_ids"]) // n_samples
-    # the config's actor, at param_dtype; a smoke run's fewer prompts make one mini-batch
+    # the config's actor, in this mode; a smoke run's fewer prompts make one mini-batch
     mini = min(cfg.actor.ppo_mini_batch_size, n_prompts)
-    update = {"mixed_precision": {"param_dtype": param_dtype}, "ppo_mini_batch_size": mini}
-    actor = type(cfg.actor).model_validate({**cfg.actor.model_dump(), **update})
-    temperature = logprob_temperature(cfg.rollout.temperature)
+    actor = type(cfg.actor).model_validate(
+        {**cfg.actor.model_dump(), "mixed_precision": MODES[mode], "ppo_mini_batch_size": mini}
+    )
+    param_dtype, temperature = actor.mixed_precision.param_dtype, logprob_temperature(cfg.rollout.temperature)
     torch.manual_seed(seed)
     model, tok = load_policy(model_dir)
-    opt, sched = make_optimizer(model, actor.optim)
+    opt, sched = make_optimizer(model, actor.optim, actor.mixed_precision.master_weights)
     model.eval()
-    t0, c0 = time.perf_counter(), time.process_time()
-    batch = actor_batch(rows, tok.pad_token_id, use_kl_loss=False)
-    old = compute_logprobs(model, batch, actor.ppo_micro_batch_size, temperature, param_dtype=param_dtype)  # (N, L)
-    t_old, c_old = time.perf_counter() - t0, time.process_time() - c0
-    with_old = {**rows, "old_logprobs": [old[i, : len(r)].tolist() for i, r in enumerate(rows["response_token_ids"])]}
-    t1, c1 = time.perf_counter(), time.process_time()
-    metrics = ppo_update(
-        model,
-        opt,
-        sched,
-        with_old,
-        actor,
-        n_per_prompt=n_samples,
-        pad_id=tok.pad_token_id,
-        seed=seed,
-        temperature=temperature,
-    )
-    t_update, c_update = time.perf_counter() - t1, time.process_time() - c1
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with PeakRss() as peak:
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch = actor_batch(rows, tok.pad_token_id, use_kl_loss=False)
+        old = compute_logprobs(model, batch, actor.ppo_micro_batch_size, temperature, param_dtype=param_dtype)  # (N, L)
+        t_old, c_old = time.perf_counter() - t0, time.process_time() - c0
+        with_old = {
+            **rows,
+            "old_logprobs": [old[i, : len(r)].tolist() for i, r in enumerate(rows["response_token_ids"])],
+        }
+        t1, c1 = time.perf_counter(), time.process_time()
+        kw = {"n_per_prompt": n_samples, "pad_id": tok.pad_token_id, "seed": seed, "temperature": temperature}
+        metrics = ppo_update(model, opt, sched, with_old, actor, **kw)
+        t_update, c_update = time.perf_counter() - t1, time.process_time() - c1
+    with float32_params(opt):
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {
         "old_logprobs_s": t_old,
         "update_s": t_update,
         "old_logprobs_cpu_s": c_old,
         "update_cpu_s": c_update,
+        "peak_rss_mb": peak.peak_mb,
+        "params_mb": tensor_mb(list(model.parameters())),
+        "masters_mb": tensor_mb(getattr(opt, "masters", [])),
+        "adamw_state_mb": tensor_mb([t for st in opt.state.values() for t in st.values() if t.dim() > 0]),
         "metrics": metrics,
         "weights": weights,
         "old": old,
     }
+
+
+def in_child(args: argparse.Namespace, mode: str, result: Path) -> dict:
+    """run_one in a fresh process (this script with --mode), its result read back from `result`."""
+    knobs = ("config", "prompts", "samples", "max_response", "threads", "seed")
+    cmd = [sys.executable, __file__, "--mode", mode, "--result", str(result)]
+    cmd += [
+        x for k in knobs if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
+    ]
+    subprocess.run(cmd, check=True)
+    return torch.load(result, weights_only=False)
 
 
 def main() -> None:
@@ -140,8 +172,12 @@ def main() -> None:
     ap.add_argument("--max-response", type=int, default=None, help="default: data.max_response_length")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="float32 is always run")
+    ap.add_argument("--mode", choices=list(MODES), help="run one mode here (the child process)")
+    ap.add_argument("--result", default=None, help="the child's result file (torch.save)")
     ap.add_argument("--out", default=None, help="JSON of the results")
     args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     model_dir = resolve_model_path(cfg.model.path)
@@ -149,6 +185,9 @@ def main() -> None:
     n_prompts = args.prompts or cfg.data.train_batch_size
     n_samples = args.samples or cfg.rollout.n
     rows = make_rows(cfg, tok, n_prompts, n_samples, args.max_response or cfg.data.max_response_length, args.seed)
+    if args.mode:
+        torch.save(run_one(model_dir, cfg, rows, args.mode, args.seed, n_samples), args.result)
+        return
     shape = {
         "rollouts": len(rows["response_token_ids"]),
         "max_prompt_tokens": max(map(len, rows["prompt_token_ids"])),
@@ -160,14 +199,14 @@ def main() -> None:
     }
     print(json.dumps(shape), flush=True)
     res = {}
-    for p in PRECISIONS:
-        res[p] = run_one(model_dir, cfg, rows, p, args.seed, n_samples)
-        r = res[p]
-        print(
-            f"{p}: old_logprobs {r['old_logprobs_s']:.1f} s ({r['old_logprobs_cpu_s']:.1f} CPU-s), "
-            f"update {r['update_s']:.1f} s ({r['update_cpu_s']:.1f} CPU-s)",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in ["float32", *(m for m in args.modes if m != "float32")]:
+            res[m] = r = in_child(args, m, Path(tmp) / f"{m}.pt")
+            print(
+                f"{m}: old_logprobs {r['old_logprobs_s']:.1f} s ({r['old_logprobs_cpu_s']:.1f} CPU-s), update "
+                f"{r['update_s']:.1f} s ({r['update_cpu_s']:.1f} CPU-s), peak RSS {r['peak_rss_mb']:.0f} MiB",
+                flush=True,
+            )
     out = {"shape": shape, **compare(res, model_dir, rows, tok.pad_token_id)}
     print(json.dumps(out, indent=1))
     if args.out:
@@ -175,28 +214,27 @@ def main() -> None:
 
 
 def compare(res: dict, model_dir: str, rows: dict, pad_id: int) -> dict:
-    """Timings and speed-ups of run_one's results per precision, their metrics, and how far apart the two
-    updates' weights (against the fp32 step) and old log-probs (per response token) are."""
-    a, b = res["float32"], res["bfloat16"]
-    init, _ = load_policy(model_dir)
-    w0 = init.state_dict()
-    diff = torch.cat([(a["weights"][k] - b["weights"][k]).flatten() for k in w0]).norm()
+    """Per mode (run_one's results): timings, speed-ups over float32, memory, metrics, and how far its updated
+    weights are from float32's (against the fp32 step) and its old log-probs (per response token)."""
+    a = res["float32"]
+    w0 = load_policy(model_dir)[0].state_dict()
     step = torch.cat([(a["weights"][k] - w0[k]).flatten() for k in w0]).norm()
     mask = actor_batch(rows, pad_id, use_kl_loss=False)["response_mask"].bool()
-    old_gap = (a["old"] - b["old"]).abs()[mask]
-    return {
-        "old_logprobs_s": {p: res[p]["old_logprobs_s"] for p in PRECISIONS},
-        "update_s": {p: res[p]["update_s"] for p in PRECISIONS},
-        "old_logprobs_cpu_s": {p: res[p]["old_logprobs_cpu_s"] for p in PRECISIONS},
-        "update_cpu_s": {p: res[p]["update_cpu_s"] for p in PRECISIONS},
-        "speedup_update": a["update_s"] / b["update_s"],
-        "speedup_update_cpu": a["update_cpu_s"] / b["update_cpu_s"],
-        "speedup_old_logprobs": a["old_logprobs_s"] / b["old_logprobs_s"],
-        "metrics": {p: {k: res[p]["metrics"].get(k) for k in COMPARED} for p in PRECISIONS},
-        "weight_diff_over_fp32_step": float(diff / step),
-        "old_logprob_abs_diff_mean": float(old_gap.mean()),
-        "old_logprob_abs_diff_max": float(old_gap.max()),
+    timed = ("old_logprobs_s", "update_s", "old_logprobs_cpu_s", "update_cpu_s")
+    memory = ("peak_rss_mb", "params_mb", "masters_mb", "adamw_state_mb")
+    out: dict = {k: {m: r[k] for m, r in res.items()} for k in (*timed, *memory)}
+    out["speedup_update"] = {m: a["update_s"] / r["update_s"] for m, r in res.items()}
+    out["speedup_update_cpu"] = {m: a["update_cpu_s"] / r["update_cpu_s"] for m, r in res.items()}
+    out["speedup_old_logprobs"] = {m: a["old_logprobs_s"] / r["old_logprobs_s"] for m, r in res.items()}
+    out["metrics"] = {m: {k: r["metrics"].get(k) for k in COMPARED} for m, r in res.items()}
+    out["weight_diff_over_fp32_step"] = {
+        m: float(torch.cat([(a["weights"][k] - r["weights"][k]).flatten() for k in w0]).norm() / step)
+        for m, r in res.items()
     }
+    gaps = {m: (a["old"] - r["old"]).abs()[mask] for m, r in res.items()}
+    out["old_logprob_abs_diff_mean"] = {m: float(g.mean()) for m, g in gaps.items()}
+    out["old_logprob_abs_diff_max"] = {m: float(g.max()) for m, g in gaps.items()}
+    return out
 
 
 if __name__ == "__main__":

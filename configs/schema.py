@@ -272,6 +272,24 @@ class MixedPrecisionConfig(_Strict):
     parameters, so weights, gradients, AdamW state and checkpoints stay float32 and the logits are upcast to
     float32 before log_softmax. Pays only where the hardware has bf16 matmul units (CUDA; CPUs with
     avx512_bf16/AMX): docs/benchmarks.md."""
+    master_weights: Literal["autocast", "fp32_master"] = "autocast"
+    """With param_dtype 'bfloat16', where the float32 weights live. 'autocast': the parameters are float32 (the
+    master weights) and each forward casts them to bf16. 'fp32_master' (Megatron's bf16=True; verl's FSDP
+    param_dtype=bf16): the actor's parameters are held in bf16 (no per-forward cast, half the weight memory)
+    and AdamW steps on a float32 master copy with float32 gradients, then refreshes the bf16 parameters from
+    it; checkpoints are written from the masters (float32). torch and fsdp strategies (stages/train/master.py,
+    stages/train/fsdp.py); the reference model keeps autocast."""
+
+    @model_validator(mode="after")
+    def _fp32_master_needs_bf16(self) -> MixedPrecisionConfig:
+        if self.master_weights == "fp32_master" and self.param_dtype != "bfloat16":
+            raise ValueError(
+                f"actor.mixed_precision.master_weights='fp32_master' needs param_dtype='bfloat16' (got "
+                f"'{self.param_dtype}'), because it keeps bf16 parameters beside float32 masters, and float32 "
+                "parameters are their own masters; set actor.mixed_precision.param_dtype=bfloat16, or "
+                "master_weights='autocast' for a float32 update."
+            )
+        return self
 
 
 class LoraConfig(_Strict):
@@ -365,13 +383,28 @@ class ActorConfig(_Strict):
 
     @model_validator(mode="after")
     def _megatron_is_float32(self) -> ActorConfig:
-        if self.strategy == "megatron" and self.mixed_precision.param_dtype != "float32":
+        mp = self.mixed_precision
+        if self.strategy == "megatron" and mp.param_dtype != "float32":
             raise ValueError(
-                f"actor.mixed_precision.param_dtype='{self.mixed_precision.param_dtype}' is not supported with "
-                "actor.strategy='megatron', because rlake's Megatron update keeps float32 parameters under a plain "
-                "AdamW (megatron's bf16=True wants bf16 parameters and its own fp32-master optimizer), and autocast "
-                "over float32 parameters fails on the CPU in megatron's linear backward (bf16 grad @ float32 weight); "
-                "use actor.strategy='torch' or 'fsdp' for bf16, or param_dtype='float32' with megatron."
+                f"actor.mixed_precision.param_dtype='{mp.param_dtype}' (master_weights='{mp.master_weights}') is "
+                "not supported with actor.strategy='megatron', because rlake's Megatron update is a plain torch "
+                "AdamW over float32 GPTModel shards whose state it converts to and from the torch backend's "
+                "checkpoint format (stages/train/megatron/state.py): megatron-core's own fp32 masters (bf16=True) "
+                "live in its DistributedDataParallel grad buffers and DistributedOptimizer, whose sharded state "
+                "that conversion does not know; and autocast over float32 parameters fails on the CPU in "
+                "megatron's linear backward (bf16 grad @ float32 weight); use actor.strategy='torch' or 'fsdp' "
+                "for bf16 (either master_weights), or param_dtype='float32' with megatron."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fp32_master_without_lora(self) -> ActorConfig:
+        if self.mixed_precision.master_weights == "fp32_master" and self.lora.rank > 0:
+            raise ValueError(
+                f"actor.mixed_precision.master_weights='fp32_master' is not supported with actor.lora.rank="
+                f"{self.lora.rank}, because only the adapters would get float32 masters while the frozen base "
+                "would be held in bf16, and the merged checkpoint would lose the base's float32 weights; use "
+                "master_weights='autocast' with LoRA, or actor.lora.rank=0."
             )
         return self
 

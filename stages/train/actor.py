@@ -114,8 +114,11 @@ def ppo_update(
             lists or None, stages.train.batching.row_masks: observation tokens (0) stay in the context but get no
             loss, KL or entropy and do not count in loss_agg_mode's normalisation). N is this worker's rollouts;
             they are split into ppo_epochs x (mini-batches of ppo_mini_batch_size * n / world) rollouts.
+        optimizer: torch AdamW over model's parameters, or a MasterAdamW over their float32 masters
+            (actor.mixed_precision.master_weights='fp32_master', stages.train.master), which averages its
+            gradients over the ranks itself (then ddp_model must be None).
         ddp_model: the DistributedDataParallel wrapper when world > 1 (model is its .module); None for a
-            model that syncs its own gradients (FSDP's fully_shard, stages.train.fsdp).
+            model that syncs its own gradients (FSDP's fully_shard, stages.train.fsdp) or a MasterAdamW.
         no_sync: a context manager deferring the gradient reduction to the mini-batch's last micro-batch;
             default DDP's ddp_model.no_sync (FSDP: stages.train.fsdp.no_grad_sync(model)).
         temperature: logits are divided by it for old/new log-probs and the entropy (verl: the
@@ -166,7 +169,7 @@ def ppo_update(
         epochs=actor_cfg.ppo_epochs,
         seed=seed,
         backward=lambda micro: accumulate_grads(batch, micro, loss_fn, metrics, dp_size=world, no_sync=no_sync),
-        finish_grads=lambda: clip_grads(model, actor_cfg.optim.grad_clip),
+        finish_grads=lambda: clip_grads(model, actor_cfg.optim.grad_clip, optimizer, world),
         optimizer=optimizer,
         scheduler=scheduler,
         metrics=metrics,

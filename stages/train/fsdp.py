@@ -7,7 +7,12 @@ before a mini-batch's last skip the reduce-scatter (`no_grad_sync`, DDP's `no_sy
 reduced once per optimizer step. Numerically it is DDP: float32 parameters gathered whole, the same
 forward, the same global-norm clipping (over the sharded gradients, a DTensor norm made whole) and
 elementwise AdamW on the shards; mixed precision is the same autocast as DDP's (stages.train.precision),
-not FSDP's own MixedPrecisionPolicy, so the two backends compute the same thing.
+not FSDP's own MixedPrecisionPolicy, so the two backends compute the same thing. The exception is
+actor.mixed_precision.master_weights='fp32_master': FSDP's MixedPrecisionPolicy (param_dtype bf16, reduce_dtype
+float32; `BF16_COMPUTE`) over the float32 shards, which are the master weights: the parameters a unit computes
+with are bf16 (cast once per all-gather, not per matmul), gradients reach the shards in float32, AdamW and the
+checkpoint stay float32. The torch backend's fp32_master (stages.train.master) keeps whole bf16 parameters
+beside separate masters instead; the two agree up to rounding, not bit for bit.
 
 Checkpoints are the torch backend's (stages.io.checkpoints): `gather_checkpoint` collects the full
 parameters into a plain HF model on rank 0 (safetensors via save_policy) and the full optimizer state in
@@ -33,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from stages.train.optim import make_optimizer, restore_optimizer
@@ -65,16 +70,24 @@ def layer_classes(model) -> tuple[type, ...]:
     return found
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """fully_shard every decoder layer, then the root, over all ranks of the default group (in place)."""
+BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+"""actor.mixed_precision.master_weights='fp32_master' on FSDP (verl's fsdp_config.mixed_precision): the float32
+shards are the masters; each unit's all-gather casts them to bf16 parameters for its forward and backward, and
+the gradients are accumulated (over no-sync micro-batches) and reduce-scattered in float32 onto the shards."""
+
+
+def shard_model(model: torch.nn.Module, *, bf16_compute: bool = False) -> torch.nn.Module:
+    """fully_shard every decoder layer, then the root, over all ranks of the default group (in place);
+    bf16_compute: with the BF16_COMPUTE policy."""
     device = next(model.parameters()).device
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = BF16_COMPUTE if bf16_compute else MixedPrecisionPolicy()
     layers = layer_classes(model)
     for module in model.modules():
         if isinstance(module, layers):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -93,10 +106,11 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     set_optimizer_state_dict(model, optimizer, by_name, options=FULL)
 
 
-def shard_policy(model: torch.nn.Module, optim_cfg, ckpt_dir: str | Path):
+def shard_policy(model: torch.nn.Module, optim_cfg, ckpt_dir: str | Path, *, bf16_compute: bool = False):
     """(sharded model, optimizer, scheduler) of an HF policy loaded whole on every rank, with the optimizer
-    state stored beside ckpt_dir (none at version 0). Collective: every rank calls it."""
-    model = shard_model(model)
+    state stored beside ckpt_dir (none at version 0); bf16_compute: shard_model's. Collective: every rank
+    calls it."""
+    model = shard_model(model, bf16_compute=bf16_compute)
     opt, sched = make_optimizer(model, optim_cfg)
     restore_optimizer(opt, sched, ckpt_dir, load=lambda o, state: load_full_optimizer_state(model, o, state))
     return model, opt, sched

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from stages.io.checkpoints import load_optimizer_state, save_optimizer_state
+from stages.train.master import MasterAdamW
 
 __all__ = [
     "ACTOR_GRAD_ERROR",
@@ -31,15 +32,20 @@ CRITIC_GRAD_ERROR = (
 )
 
 
-def make_optimizer(model, optim_cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model, optim_cfg, master_weights: str = "autocast"
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the parameters that require grad (all of them, or a LoRA policy's adapters alone) and a
-    LambdaLR scheduler ramping linearly over lr_warmup_steps steps."""
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=optim_cfg.lr,
-        betas=tuple(optim_cfg.betas),
-        weight_decay=optim_cfg.weight_decay,
-    )
+    LambdaLR scheduler ramping linearly over lr_warmup_steps steps. master_weights
+    (actor.mixed_precision.master_weights) 'fp32_master': a MasterAdamW over float32 masters of those
+    parameters, which it casts to bfloat16 in place (stages.train.master)."""
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "weight_decay": optim_cfg.weight_decay}
+    if master_weights == "fp32_master":
+        opt = MasterAdamW(model, **kwargs)
+    elif master_weights == "autocast":
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **kwargs)
+    else:
+        raise ValueError(f"Unknown master_weights '{master_weights}'. Valid: ['autocast', 'fp32_master']")
     warm = optim_cfg.lr_warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
     return opt, sched
@@ -68,9 +74,12 @@ def restore_optimizer(
     return True
 
 
-def clip_grads(model, clip: float) -> Tensor:
+def clip_grads(model, clip: float, optimizer=None, world: int = 1) -> Tensor:
     """Global-norm gradient clipping over the parameters that got a gradient (clip <= 0: measure only).
-    FSDP's sharded gradients (DTensors) give a DTensor norm over all shards; it is returned as a plain tensor."""
+    FSDP's sharded gradients (DTensors) give a DTensor norm over all shards; it is returned as a plain tensor.
+    A MasterAdamW `optimizer`: its float32 master gradients instead, first averaged over `world` ranks."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.finish_grads(clip, world)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
     return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -10,9 +10,15 @@ float32: the float32 weights are the master weights, and the checkpoint is float
 are upcast to float32 before the temperature, log_softmax and entropy (stages.train.batching.
 response_logits), so PPO ratios and the loss are float32 arithmetic on bf16-computed logits.
 
-Not chosen: bf16 parameters with a separate float32 master copy (what Megatron's `bf16=True` optimizer
-does); it saves the per-forward weight cast and half the weight memory, but needs its own optimizer
-step and checkpoint conversion; at 135M parameters the cast is a small part of an update.
+The alternative is an option, actor.mixed_precision.master_weights='fp32_master' (param_dtype 'bfloat16'
+only): bf16 parameters with a separate float32 master copy (what Megatron's `bf16=True` optimizer does). The
+torch strategy holds every trainable parameter in bf16 and steps a MasterAdamW on float32 masters with
+float32-accumulated gradients (stages/train/master.py); fsdp uses FSDP2's MixedPrecisionPolicy over float32
+shards (stages/train/fsdp.py). Forwards still enter this autocast, which then finds bf16 weights (no cast)
+and keeps its float32 ops. Checkpoints are written from the masters, so they stay float32. It saves the
+per-forward weight cast, not memory on one rank (bf16 parameters beside float32 masters are 1.5x the float32
+weights); on an avx512_bf16 CPU it was not faster than autocast (docs/benchmarks.md), so autocast stays the
+default. Not with megatron (configs/schema.py says why) or LoRA.
 
 The old log-probs and the reference log-probs use the update's precision, so the PPO ratio at the first
 mini-batch is 1 up to the rounding of bf16 matmuls over differently padded batches (docs/benchmarks.md

@@ -13,7 +13,9 @@ call's value (through Ray).
   the load when its input checkpoint is that one (same checkpoint id) and loads it (fetched into
   the node's cache when it is a checkpoint reference) otherwise (a re-materialized or replayed
   iteration, a resumed run). Either way the update is the
-  same function of the checkpoint on disk.
+  same function of the checkpoint on disk. With actor.mixed_precision.master_weights='fp32_master' the resident
+  parameters are bf16 beside a MasterAdamW's float32 masters (stages.train.master), which average their own
+  gradients (no DDP wrapper), and rank 0 writes the checkpoint from the masters (float32_params).
 - fsdp (actor.strategy='fsdp'): the same `ppo_update` on a model sharded with torch's FSDP2 `fully_shard`
   (stages.train.fsdp) instead of DDP, kept resident as torch's; rank 0 writes the torch backend's checkpoint
   from the gathered shards. `compute_log_prob` loads the HF checkpoint whole, as megatron's does (a sharded
@@ -63,6 +65,7 @@ from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import pad_rollouts, row_masks, stored_old_logprobs
 from stages.train.fsdp import gather_checkpoint, no_grad_sync, shard_policy
+from stages.train.master import MasterAdamW, float32_params
 from stages.train.megatron.convert import hf_to_megatron, megatron_to_hf
 from stages.train.megatron.cpu_patches import apply_cpu_patches
 from stages.train.megatron.model import build_gpt_model, hf_arch
@@ -148,12 +151,17 @@ class ResidentPolicy:
     lora: LoraConfig = NO_LORA
     lora_base: dict | None = None
     """A LoRA policy's base checkpoint (stages.models.lora.base_record); None: full fine-tuning."""
+    master_weights: str = "autocast"
+    """actor.mixed_precision.master_weights: 'fp32_master' holds bf16 parameters and a MasterAdamW."""
 
-    def holds(self, policy_dir: str, optim: OptimConfig, lora: LoraConfig = NO_LORA) -> bool:
+    def holds(
+        self, policy_dir: str, optim: OptimConfig, lora: LoraConfig = NO_LORA, master_weights: str = "autocast"
+    ) -> bool:
         """Whether this is the checkpoint policy_dir names (loaded or written by this rank): same checkpoint id,
-        and the same optimizer and LoRA settings."""
+        and the same optimizer, LoRA and master-weight settings."""
         want = resident_id(policy_dir)
-        return want is not None and self.ckpt_id == want and self.optim == optim and self.lora == lora
+        same = self.optim == optim and self.lora == lora and self.master_weights == master_weights
+        return want is not None and self.ckpt_id == want and same
 
 
 def resident_id(policy_dir: str | Path) -> str | None:
@@ -169,10 +177,13 @@ def load_resident(
     device: torch.device | str = "cpu",
     strategy: str = "torch",
     lora: LoraConfig = NO_LORA,
+    master_weights: str = "autocast",
 ) -> ResidentPolicy:
     """The policy at policy_dir on `device` (the rank's) with a fresh optimizer holding the optimizer state
     stored beside it; strategy 'fsdp': sharded over the ranks (a collective, stages.train.fsdp); lora.rank > 0:
-    its base checkpoint with its adapter, or fresh adapters on policy_dir (stages.models.lora)."""
+    its base checkpoint with its adapter, or fresh adapters on policy_dir (stages.models.lora); master_weights
+    'fp32_master': float32 masters from the checkpoint, bf16 parameters (stages.train.master; fsdp: FSDP2's
+    bf16 compute over the float32 shards)."""
     ident = resident_id(policy_dir)  # before the load: a checkpoint rewritten meanwhile is not taken for this one
     base = None
     if lora.rank > 0:
@@ -184,11 +195,12 @@ def load_resident(
         model, tok = load_policy(policy_dir)
     model.to(device)
     if strategy == "fsdp":
-        model, opt, sched = shard_policy(model, optim, policy_dir)
+        model, opt, sched = shard_policy(model, optim, policy_dir, bf16_compute=master_weights == "fp32_master")
     else:
-        opt, sched = make_optimizer(model, optim)
+        opt, sched = make_optimizer(model, optim, master_weights)
         restore_optimizer(opt, sched, policy_dir)
-    return ResidentPolicy(str(Path(policy_dir).resolve()), ident, optim, model, opt, sched, tok, lora, base)
+    resolved = str(Path(policy_dir).resolve())
+    return ResidentPolicy(resolved, ident, optim, model, opt, sched, tok, lora, base, master_weights)
 
 
 def old_logprob_rows(
@@ -267,9 +279,12 @@ class ActorWorker(Worker):
             model, tok = load_policy(resolve_model_dir(policy_dir))
             model.to(self.device)
         else:
-            if self.resident is None or not self.resident.holds(policy_dir, actor.optim, actor.lora):
+            master = actor.mixed_precision.master_weights
+            if self.resident is None or not self.resident.holds(policy_dir, actor.optim, actor.lora, master):
                 self.resident = None  # frees a stale policy before the load
-                self.resident = load_resident(policy_dir, actor.optim, self.device, lora=actor.lora)
+                self.resident = load_resident(
+                    policy_dir, actor.optim, self.device, lora=actor.lora, master_weights=master
+                )
             model, tok = self.resident.model, self.resident.tokenizer
         budget = actor.log_prob_max_token_len_per_gpu if actor.use_dynamic_bsz else None
         return old_logprob_rows(
@@ -297,15 +312,22 @@ class ActorWorker(Worker):
     def _torch_update(self, req: UpdateRequest) -> dict[str, float]:
         torch.manual_seed(seeds.update_rank(req.seed, self.rank))
         t0 = time.perf_counter()
-        held = self.resident is not None and self.resident.holds(req.policy_dir, req.actor.optim, req.actor.lora)
+        master = req.actor.mixed_precision.master_weights
+        held = self.resident is not None and self.resident.holds(
+            req.policy_dir, req.actor.optim, req.actor.lora, master
+        )
         res = self.resident if held else None
         self.resident = None  # frees a stale policy before the load; a failed update leaves nothing resident
         from_disk = res is None
         if res is None:
-            res = load_resident(req.policy_dir, req.actor.optim, self.device, self.strategy, req.actor.lora)
+            res = load_resident(req.policy_dir, req.actor.optim, self.device, self.strategy, req.actor.lora, master)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         fsdp = self.strategy == "fsdp"
-        ddp = DistributedDataParallel(res.model, device_ids=device_ids) if self.world > 1 and not fsdp else None
+        # a MasterAdamW (torch fp32_master) averages its float32 gradients itself: no DDP
+        own_reduce = isinstance(res.optimizer, MasterAdamW)
+        ddp = (
+            None if self.world == 1 or fsdp or own_reduce else DistributedDataParallel(res.model, device_ids=device_ids)
+        )
         rows = read_rows(req, self.rank, self.world)
         t_load = time.perf_counter() - t0
         metrics = ppo_update(
@@ -328,7 +350,8 @@ class ActorWorker(Worker):
         # fsdp: whole weights and optimizer state gathered to rank 0 (a collective), in the torch backend's format
         model, opt_state = gather_checkpoint(res.model, res.optimizer) if fsdp else (res.model, None)
         if self.rank == 0:
-            self._commit(req, res, model, opt_state or res.optimizer.state_dict(), metrics)
+            with float32_params(res.optimizer):  # fp32_master: the checkpoint and published weights are the masters
+                self._commit(req, res, model, opt_state or res.optimizer.state_dict(), metrics)
         if self.world > 1:
             dist.barrier()  # every rank sees the checkpoint before keeping its state resident
         res.ckpt_dir, res.ckpt_id = req.out_dir, req.checkpoint_id
