@@ -27,7 +27,7 @@ from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.checkpoints import checkpoint_target
 from stages.io.plots import run_curves_markdown
-from stages.io.store import newest_commit
+from stages.io.store import newest_commit, pinned
 from stages.io.tables import PROMPTS_ITERATION
 from stages.metrics import iteration_metrics as compute_iteration_metrics
 from stages.metrics import validates
@@ -135,8 +135,43 @@ def iteration_metrics(
     tracker: TrackerResource,
     ray: RayResource,
 ) -> dg.MaterializeResult:
-    """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow."""
-    cfg, it = run_config.load(), iteration_of(context)
+    """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow. Its tables are
+    done when it runs: each is looked up once (stages.io.store.pinned), not once per read."""
+    with pinned():
+        cfg, it = run_config.load(), iteration_of(context)
+        m, val, read_versions = measure_iteration(context, cfg, rollout_store, model_store, ray)
+        mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
+        tracker.log_metrics(mlflow_id, m, step=it + 1)
+        rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
+        v = write_table(
+            rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=read_versions
+        )
+        tracker.log_iteration(
+            mlflow_id, rollout_store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
+        )
+        ray.ensure()  # where the run's workers are now (the recorded placement; SQL over the `workers` table)
+        placed = pd.DataFrame(worker_placements(cfg.run_id))
+        if len(placed):
+            write_table(rollout_store, cfg, "workers", placed, it, policy_version=it + 1, upstream={})
+        if it + 1 == cfg.trainer.total_training_steps:  # the run is complete: its validation curve, then FINISHED
+            tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.location)
+        curves = run_curves_markdown(rollout_store.location, cfg.run_id)
+    return dg.MaterializeResult(
+        metadata={
+            "delta_version": v,
+            **{k: m[k] for k in SUMMARY_METRICS if k in m},
+            **{k: v for k, v in m.items() if k.startswith("val-core/")},
+            "run_curves": dg.MetadataValue.md(curves),
+        },
+        data_version=data_version("iteration_metrics", v),
+    )
+
+
+def measure_iteration(context, cfg, rollout_store, model_store, ray) -> tuple[dict[str, float], dict | None, dict]:
+    """(the iteration's metrics, its validation rollouts or None, the table versions read): the iteration_metrics
+    stage over the iteration's recorded partitions, the updates' recorded metrics, the stages' timings and, when
+    it validates, the validation of the new policy."""
+    it = iteration_of(context)
     scored = upstream_partition(context, rollout_store, "scored_rollouts", cfg.run_id, it)  # streamed: no rows here
     adv = upstream_partition(context, rollout_store, "advantages", cfg.run_id, it)
     values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
@@ -148,32 +183,9 @@ def iteration_metrics(
     m = compute_iteration_metrics(
         scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
     )
-    last = it + 1 == cfg.trainer.total_training_steps
     val, val_metrics = validation(context, cfg, rollout_store, ms, ray, it, new_dir)
-    m |= val_metrics
-    mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
-    tracker.log_metrics(mlflow_id, m, step=it + 1)
-    rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
     read_versions = {"scored_rollouts": scored.version, "advantages": adv.version, "checkpoints": c_v}
-    v = write_table(rollout_store, cfg, "iteration_metrics", rows, it, policy_version=it + 1, upstream=read_versions)
-    tracker.log_iteration(
-        mlflow_id, rollout_store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
-    )
-    ray.ensure()  # where the run's workers are now (the recorded placement; SQL over the `workers` table)
-    placed = pd.DataFrame(worker_placements(cfg.run_id))
-    if len(placed):
-        write_table(rollout_store, cfg, "workers", placed, it, policy_version=it + 1, upstream={})
-    if last:  # the run is complete: its validation curve, then FINISHED
-        tracker.end_run(cfg.run_id, "FINISHED", tables_root=rollout_store.location)
-    return dg.MaterializeResult(
-        metadata={
-            "delta_version": v,
-            **{k: m[k] for k in SUMMARY_METRICS if k in m},
-            **{k: v for k, v in m.items() if k.startswith("val-core/")},
-            "run_curves": dg.MetadataValue.md(run_curves_markdown(rollout_store.location, cfg.run_id)),
-        },
-        data_version=data_version("iteration_metrics", v),
-    )
+    return m | val_metrics, val, read_versions
 
 
 def validation(context, cfg, rollout_store, ms, ray, it: int, new_dir) -> tuple[dict | None, dict[str, float]]:

@@ -14,6 +14,13 @@ stages' own time and validation); overhead = wall - compute. Also per Dagster st
 the run's wall outside its steps (Dagster's run machinery). Postgres sessions opened per iteration come from
 pg_stat_database.sessions, sampled every 0.5 s. Iteration 0 starts the workers and is left out of the means.
 The cluster's data lives under --workdir (not /tmp: every node hides /tmp behind its own tmpfs).
+
+--count-requests: the cluster's S3 (SeaweedFS, glog level 2) and MLflow server (access log, epoch ms) log every
+request with its time; each is counted in the iteration (and the Dagster step) whose window holds its time, so
+the counts say how many round trips an iteration makes whatever the box's load. S3 requests are told apart by
+method and kind (a LIST, a Delta log commit, _last_checkpoint, a Delta checkpoint, table data, a model
+checkpoint, an MLflow artifact), MLflow requests by method and endpoint. The local run makes none (files and
+sqlite). The extra logging costs CPU: compare timings of runs with the same flag.
 """
 
 from __future__ import annotations
@@ -83,6 +90,93 @@ def per_iteration(instance, metrics, run_id: str, samples: list[tuple[float, int
     return rows
 
 
+def _windows(instance, run_id: str) -> list[tuple[int, float, float, dict[str, tuple[float, float]]]]:
+    """(iteration, window start, end, {step: (start, end)}) of each iteration run, as per_iteration delimits them."""
+    import dagster as dg
+
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={"rlake/run_id": run_id}))
+    out, prev_end = [], None
+    for run in sorted(runs, key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp):
+        record = instance.get_run_record_by_id(run.run_id)
+        partition = run.tags.get("dagster/partition/iteration")
+        if partition is not None and record.end_time is not None:
+            start = prev_end if prev_end is not None else record.create_timestamp.timestamp()
+            out.append((int(partition), start, record.end_time, _step_spans(instance, run.run_id)))
+        prev_end = record.end_time or prev_end
+    return out
+
+
+def _step_spans(instance, dagster_run_id: str) -> dict[str, tuple[float, float]]:
+    """{asset step: (STEP_START, STEP_SUCCESS or STEP_FAILURE time)} of one Dagster run."""
+    spans: dict[str, list[float]] = {}
+    for entry in instance.all_logs(dagster_run_id):
+        ev = entry.dagster_event
+        if ev is not None and ev.event_type_value == "STEP_START":
+            spans[ev.step_key] = [entry.timestamp, entry.timestamp]
+        elif ev is not None and ev.event_type_value in ("STEP_SUCCESS", "STEP_FAILURE") and ev.step_key in spans:
+            spans[ev.step_key][1] = entry.timestamp
+    return {k: (a, b) for k, (a, b) in spans.items()}
+
+
+def s3_kind(method: str, path: str) -> str:
+    """What an S3 request touched: `GET list` (a listing: the key prefix is in the query, not logged), `GET
+    log <table>` (a commit file), `GET last_checkpoint <table>`, ..., `PUT data <table>`, `GET model` ..."""
+    parts = path.strip("/").split("/")
+    if len(parts) == 1:
+        return f"{method} list"
+    if "mlartifacts" in parts:
+        return f"{method} mlflow_artifact"
+    if "tables" in parts and len(parts) > parts.index("tables") + 2:
+        table, rest = parts[parts.index("tables") + 1], parts[parts.index("tables") + 2 :]
+        if rest[0] != "_delta_log":
+            return f"{method} data {table}"
+        name = rest[-1]
+        kind = "last_checkpoint" if name == "_last_checkpoint" else "log" if name.endswith(".json") else "checkpoint"
+        return f"{method} {kind} {table}"
+    return f"{method} model" if "checkpoints" in parts else f"{method} other"
+
+
+def count_requests(windows, s3: list, mlflow: list) -> list[dict]:
+    """Per iteration window: S3 and MLflow requests in all, per Dagster step, and by kind / endpoint."""
+    from collections import Counter
+
+    rows = []
+    for it, start, end, steps in windows:
+        row: dict = {
+            "iteration": it,
+            "s3": 0,
+            "mlflow": 0,
+            "by_step": {},
+            "s3_by_kind": Counter(),
+            "mlflow_by_path": Counter(),
+        }
+        for server, reqs in (("s3", s3), ("mlflow", mlflow)):
+            for t, method, path, _ in reqs:
+                if not start < t <= end:
+                    continue
+                row[server] += 1
+                step = next((k for k, (a, b) in steps.items() if a <= t <= b), "outside steps")
+                key = s3_kind(method, path) if server == "s3" else f"{method} {path}"
+                at = row["by_step"].setdefault(step, {"s3": 0, "mlflow": 0, "kinds": Counter()})
+                at[server] += 1
+                at["kinds"][key] += 1
+                row["s3_by_kind" if server == "s3" else "mlflow_by_path"][key] += 1
+        rows.append(row)
+    return rows
+
+
+def requests_table(rows: list[dict]) -> str:
+    """Markdown: mean requests per iteration (iterations >= 1), per Dagster step, S3 and MLflow."""
+    later = [r for r in rows if r["iteration"] > 0] or rows
+    steps = sorted({s for r in later for s in r["by_step"]})
+    lines = ["| requests per iteration (mean, it >= 1) | S3 | MLflow |", "|---|---|---|"]
+    for s in steps:
+        vals = [statistics.fmean(r["by_step"].get(s, {}).get(k, 0) for r in later) for k in ("s3", "mlflow")]
+        lines.append(f"| step {s} | {vals[0]:.1f} | {vals[1]:.1f} |")
+    lines.append(f"| **all** | {_mean(later, 's3'):.1f} | {_mean(later, 'mlflow'):.1f} |")
+    return "\n".join(lines)
+
+
 class SessionSampler:
     """pg_stat_database.sessions summed over the dagster and mlflow databases, every 0.5 s, on one connection."""
 
@@ -147,11 +241,11 @@ def _check(proc: subprocess.CompletedProcess, mode: str) -> None:
         raise SystemExit(f"{mode} run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
-def run_cluster(workdir: Path, steps: int, extra: list[str]) -> dict:
+def run_cluster(workdir: Path, steps: int, extra: list[str], count: bool = False) -> dict:
     from tests.cluster.test_cluster_train import DAGSTER_YAML, Env
 
     t0 = time.time()
-    env = Env(workdir / "cluster")
+    env = Env(workdir / "cluster", log_requests=count)
     setup = time.time() - t0
     try:
         home = workdir / "cluster" / "bench_dagster_home"  # this process's view of the driver's Postgres instance
@@ -168,14 +262,21 @@ def run_cluster(workdir: Path, steps: int, extra: list[str]) -> dict:
         _check(proc, "cluster")
         metrics = env.table("iteration_metrics").to_pandas()
         rows = per_iteration(_instance(home), metrics, RUN_ID, samples)
-        return {
-            "total_s": total,
-            "setup_s": setup,
-            "pg_sessions_total": samples[-1][1] - samples[0][1],
-            "iterations": rows,
-        }
+        out = {"total_s": total, "setup_s": setup, "pg_sessions_total": samples[-1][1] - samples[0][1]}
+        if count:
+            out["requests"] = _requests(env, _instance(home))
+        return {**out, "iterations": rows}
     finally:
         env.stop()
+
+
+def _requests(env, instance) -> list[dict]:
+    """count_requests of the run's iterations from the two servers' logs."""
+    from tests.servers import parse_mlflow_requests, parse_s3_requests
+
+    time.sleep(1.0)  # the servers' last log lines
+    s3 = parse_s3_requests(env.s3.log, time.localtime().tm_year)
+    return count_requests(_windows(instance, RUN_ID), s3, parse_mlflow_requests(env.mlflow.log))
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -306,6 +407,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--only", choices=["local", "cluster", "probes"], default=None)
     ap.add_argument("--probes", action="store_true", help="also time single storage/MLflow/Dagster round trips")
+    ap.add_argument("--count-requests", action="store_true", help="count the cluster's S3 and MLflow requests")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
     args = ap.parse_args()
     if args.workdir == "/tmp" or args.workdir.startswith("/tmp/"):
@@ -316,7 +418,7 @@ def main() -> int:
         res["local"] = run_local(workdir, args.steps, args.overrides)
         res["load_between"] = os.getloadavg()
     if args.only in (None, "cluster"):
-        res["cluster"] = run_cluster(workdir, args.steps, args.overrides)
+        res["cluster"] = run_cluster(workdir, args.steps, args.overrides, args.count_requests)
     if args.probes or args.only == "probes":
         res["probes"] = probes(workdir)
     res["load_after"] = os.getloadavg()
@@ -326,6 +428,8 @@ def main() -> int:
         print(table(res["local"], res["cluster"]) + "\n\n" + breakdown(res["local"], res["cluster"]))
     elif "probes" not in res:
         print(json.dumps(res, indent=1, default=str))
+    if "requests" in res.get("cluster", {}):
+        print("\n" + requests_table(res["cluster"]["requests"]))
     if "probes" in res:
         print("\n| round trip (median s) | local | cluster |\n|---|---|---|")
         for k, v in res["probes"]["local"].items():

@@ -11,6 +11,7 @@ Both refuse to start with a what/why/fix error when their binary is missing; `.c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from stages.io.ports import free_ports
@@ -113,8 +115,10 @@ class S3Server:
         stop_pid(self.proc)
 
 
-def start_s3(workdir: Path, bucket: str = "rlake") -> S3Server:
-    """Start `weed mini` with every port on 127.0.0.1 (its defaults bind 0.0.0.0 and fixed ports)."""
+def start_s3(workdir: Path, bucket: str = "rlake", *, log_requests: bool = False) -> S3Server:
+    """Start `weed mini` with every port on 127.0.0.1 (its defaults bind 0.0.0.0 and fixed ports). log_requests:
+    glog level 2, which logs every S3 request (`stats.go:42 "<user>" GET "/<bucket>/<key>" 200 <duration>`, local
+    time to the microsecond) among other lines (S3_REQUEST, parse_s3_requests); more log, so off by default."""
     weed = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
     if not Path(weed).exists():
         raise RuntimeError(
@@ -130,6 +134,7 @@ def start_s3(workdir: Path, bucket: str = "rlake") -> S3Server:
     log = workdir / "weed.log"
     args = [
         weed,
+        *(["-v=2"] if log_requests else []),
         "mini",
         f"-dir={workdir}",
         "-ip=127.0.0.1",
@@ -260,6 +265,46 @@ def http_ok(url: str) -> bool:
         return False
 
 
+UVICORN_LOG_CONFIG = """version: 1
+disable_existing_loggers: false
+formatters:
+  default: {"()": uvicorn.logging.DefaultFormatter, fmt: "%(created).3f %(levelprefix)s %(message)s"}
+  access:
+    "()": uvicorn.logging.AccessFormatter
+    fmt: '%(created).3f %(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'
+handlers:
+  default: {formatter: default, class: logging.StreamHandler, stream: "ext://sys.stderr"}
+  access: {formatter: access, class: logging.StreamHandler, stream: "ext://sys.stdout"}
+loggers:
+  uvicorn: {handlers: [default], level: INFO}
+  uvicorn.access: {handlers: [access], level: INFO, propagate: false}
+"""
+"""MLflow's uvicorn log config (mlflow/server/uvicorn_log_config.yaml) with epoch timestamps to the millisecond."""
+S3_REQUEST = re.compile(r'^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) stats\.go:\d+ "[^"]*" (\w+) "([^"]*)" (\d+)')
+MLFLOW_REQUEST = re.compile(r'^(\d+\.\d+) .*"(\w+) (\S+) HTTP/[\d.]+" (\d+)')
+
+
+def parse_s3_requests(log: Path, year: int) -> list[tuple[float, str, str, int]]:
+    """(epoch s, method, path, status) of each request a log_requests S3 server logged (glog: local time)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = S3_REQUEST.match(line)
+        if m:
+            when = datetime.strptime(f"{year}{m[1]} {m[2]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+            out.append((when, m[3], m[4], int(m[5])))
+    return out
+
+
+def parse_mlflow_requests(log: Path) -> list[tuple[float, str, str, int]]:
+    """(epoch s, method, path, status) of each request a log_requests MLflow server logged."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = MLFLOW_REQUEST.match(line)
+        if m:
+            out.append((float(m[1]), m[2], m[3].split("?")[0], int(m[4])))
+    return out
+
+
 @dataclass
 class MlflowServer:
     """`mlflow server` on 127.0.0.1: a Postgres backend store and artifacts proxied into the S3 bucket."""
@@ -272,8 +317,12 @@ class MlflowServer:
         stop_pid(self.proc)
 
 
-def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str]) -> MlflowServer:
-    """backend_uri: postgresql://...; artifacts_destination: s3://bucket/prefix; env: the S3 credentials."""
+def start_mlflow(
+    workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str], *, log_requests: bool = False
+) -> MlflowServer:
+    """backend_uri: postgresql://...; artifacts_destination: s3://bucket/prefix; env: the S3 credentials.
+    log_requests: uvicorn's access log lines start with the epoch time to the millisecond (MLFLOW_REQUEST,
+    parse_mlflow_requests) instead of MLflow's to the second."""
     workdir.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     log = workdir / "mlflow.log"
@@ -282,6 +331,10 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
         mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
         "--backend-store-uri", backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts",
     ]  # fmt: skip
+    if log_requests:
+        config = workdir / "uvicorn_log.yaml"
+        config.write_text(UVICORN_LOG_CONFIG)
+        args += ["--uvicorn-opts", f"--log-config {config}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             args,

@@ -17,6 +17,7 @@ import json
 import subprocess
 import threading
 from collections.abc import Mapping
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -100,6 +101,25 @@ def _created(path: str) -> tuple | None:
     return st.st_ino, st.st_mtime_ns
 
 
+_PINNED = threading.local()
+"""This thread's pinned() scope: the table keys brought up to date in it (`keys`), None outside one."""
+
+
+@contextmanager
+def pinned():
+    """A scope in which each table is brought up to date once: the first open_table of its newest version reads
+    the commits made since (a LIST and a GET on S3), later ones in the scope return the same copy as it is (it
+    still advances by the writes made through it). For bookkeeping that reads tables nobody else writes while
+    it runs (iteration_metrics: the iteration's stages are done), so each table costs one look-up, not one per
+    read. Scopes nest; per thread."""
+    outer = getattr(_PINNED, "keys", None)
+    _PINNED.keys = set() if outer is None else outer
+    try:
+        yield
+    finally:
+        _PINNED.keys = outer
+
+
 def open_table(uri: str, *, version: int | None = None, storage_options: Options = None) -> DeltaTable:
     """The DeltaTable at `uri` (optionally at `version`), opened with the URI's storage options.
 
@@ -107,17 +127,25 @@ def open_table(uri: str, *, version: int | None = None, storage_options: Options
     the commits made since it was last used are read (DeltaTable.update_incremental). Opening a table reads its
     last checkpoint, whose file list holds every partition ever written, so opening it per look-up made every
     iteration's bookkeeping grow with the run (#36); after REOPEN_AFTER commits it is opened anew, as delta-rs
-    replays every commit applied since the open. An older version (time travel) is opened anew. The newest
-    table is shared: read it or write through it, never load_as_version it."""
+    replays every commit applied since the open. A `version` the open copy is at is that copy, read nothing
+    (a version's state never changes); another version (time travel) is opened anew. The newest table is
+    shared: read it or write through it, never load_as_version it. In a pinned() scope it is brought up to date
+    once."""
     path, opts = _open(uri, storage_options)
     key, stamp = (path, json.dumps(opts or {}, sort_keys=True)), _created(path)
+    pinned_keys = getattr(_PINNED, "keys", None)
     with _TABLES_LOCK:
         table, created, opened_at = _TABLES.get(key, (None, None, 0))
-        if table is not None and created == stamp:
+        current = table is not None and created == stamp
+        if current and version is not None and version == table.version():
+            return table
+        if current and not (version is None and pinned_keys is not None and key in pinned_keys):
             table.update_incremental()
         if table is None or created != stamp or _stale(table, opened_at):
             table = DeltaTable(path, storage_options=opts)
             _TABLES[key] = (table, stamp, table.version())
+        if pinned_keys is not None:
+            pinned_keys.add(key)
     if version is None or version == table.version():
         return table
     return DeltaTable(path, version=version, storage_options=opts)
@@ -139,7 +167,14 @@ def forget_tables() -> None:
 
 
 def table_exists(uri: str, *, storage_options: Options = None) -> bool:
+    """Whether a Delta table is at `uri`. A remote table this process has open (open_table) exists without a
+    look-up (a LIST on S3): rlake never deletes a table; a local one is looked at (cheap, and a test may delete
+    it)."""
     path, opts = _open(uri, storage_options)
+    if not uris.is_local(path):
+        with _TABLES_LOCK:
+            if (path, json.dumps(opts or {}, sort_keys=True)) in _TABLES:
+                return True
     return DeltaTable.is_deltatable(path, storage_options=opts)
 
 
@@ -220,7 +255,7 @@ def write_partition(
     data = to_arrow(name, df.assign(run_id=run_id, iteration=iteration))
     props = CommitProperties(custom_metadata=commit_metadata(name, data, run_id, iteration, lineage))
     path, opts = _open(uri, storage_options)
-    if not DeltaTable.is_deltatable(path, storage_options=opts):
+    if not table_exists(uri, storage_options=storage_options):
         write_deltalake(
             path,
             data,
@@ -332,37 +367,73 @@ def of_partition(commit: dict[str, Any] | None, run_id: str | None, iteration: i
     )
 
 
-class History:
-    """The rlake lineage of one table's commits, newest first, read on demand: DeltaTable.history(limit) reads
-    only the newest `limit` commit files, and each page doubles the limit, so finding a recent commit costs the
-    same however long the history is (#36); reading it all costs one history() call.
+_COMMITS: dict[tuple, dict[int, dict[str, Any] | None]] = {}
+"""This process's commitInfo of each table version it has read (History), by table (_open's key and _created's
+stamp): a commit file never changes, so each is read once per process. None: no such commit file."""
+COMMITS_KEPT = 4096
+"""Versions of one table _COMMITS keeps; past that it starts over."""
+DIRECT_READS = 4
+"""Commits a History page reads one file each (a GET of _delta_log/<version>.json) when the rest of the page is
+known; more are read by one DeltaTable.history(limit) call."""
 
-    The table is opened once, at its newest version (delta-rs 1.x labels the history of a table opened at an
-    older version wrongly); commits made after that are left out, even when they land between two pages."""
+
+class History:
+    """The rlake lineage of one table's commits, newest first, read on demand and page by page: finding a recent
+    commit costs the same however long the history is (#36); reading it all costs one history() call.
+
+    The table is opened once, at its newest version (delta-rs 1.x labels the history of a table opened at an older
+    version wrongly); commits made after that are left out, even when they land between two pages. Each commit
+    is read once per process (_COMMITS): a page whose commits were all read before reads nothing, one that lacks
+    at most DIRECT_READS reads those commit files, else one DeltaTable.history(limit) call reads it."""
 
     def __init__(self, uri: str, *, storage_options: Options = None) -> None:
         self.table = open_table(uri, storage_options=storage_options)
         self.version = self.table.version()
-        self._raw: list[dict[str, Any]] = []  # history() entries read so far (without delta-rs's version)
-        self._lineage: list[dict[str, Any] | None] = []  # lineage_of each, same order
+        path, opts = _open(uri, storage_options)
+        self._where = (path, opts)
+        self._known = _COMMITS.setdefault((path, json.dumps(opts or {}, sort_keys=True), _created(path)), {})
+        if len(self._known) > COMMITS_KEPT:
+            self._known.clear()
+        self._lineage: list[dict[str, Any] | None] = []  # lineage_of each commit read so far, newest first
         self._limit: int | None = HISTORY_PAGE
         self.complete = False
 
     def _more(self) -> bool:
         """Read the next page (all of the rest once `_limit` is None); False when everything is read."""
-        if self.complete:
+        top = self.version - len(self._lineage)  # the newest version not read yet
+        if self.complete or top < 0:
+            self.complete = True
             return False
-        raw = [{k: v for k, v in e.items() if k != "version"} for e in self.table.history(self._limit)]
-        start = next((j for j, e in enumerate(raw) if e == self._raw[0]), None) if self._raw else 0
-        if start is None:  # more commits landed since the open than the page holds: a bigger page
-            self._limit = None
-            return True
-        for entry in raw[start + len(self._raw) :]:
-            self._lineage.append(lineage_of(entry, self.version - len(self._raw)))
-            self._raw.append(entry)
-        self.complete = self._limit is None or len(raw) < self._limit or self.version < len(self._raw)
+        versions = range(top, -1 if self._limit is None else max(-1, top - self._limit), -1)
+        missing = [v for v in versions if v not in self._known]
+        if len(missing) > DIRECT_READS:
+            self._read_history(top, len(versions))
+        for v in missing if len(missing) <= DIRECT_READS else ():
+            self._known[v] = self._read_commit(v)
+        self._lineage += [lineage_of(self._known.get(v) or {}, v) for v in versions]
+        self.complete = versions[-1] == 0
         self._limit = None if self._limit is None else self._limit * 2
         return True
+
+    def _read_history(self, top: int, count: int) -> None:
+        """Commits top, top-1, ... (count of them) by one history() call, into _COMMITS (a version without a commit
+        file: None)."""
+        newer = self.table.version() - top  # commits that landed since the open (the table is shared)
+        entries = self.table.history(None if count > top else newer + count)
+        found = {int(e["version"]): {k: v for k, v in e.items() if k != "version"} for e in entries}
+        for v in range(top, top - count, -1):
+            self._known[v] = found.get(v)
+
+    def _read_commit(self, v: int) -> dict[str, Any] | None:
+        """The commitInfo of version v's commit file (what history() gives for it, without the version)."""
+        from stages.io import objects  # noqa: PLC0415 - objects is only needed here
+
+        data = objects.get_bytes(objects.open_store(*self._where), f"_delta_log/{v:020d}.json")
+        for line in (data or b"").decode().splitlines():
+            action = json.loads(line) if line.strip() else {}
+            if "commitInfo" in action:
+                return action["commitInfo"]
+        return None
 
     def commits(self, *, everything: bool = False):
         """Lineage commits newest first, reading pages as the caller goes on (`everything`: in one read)."""

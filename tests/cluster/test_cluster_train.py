@@ -47,11 +47,16 @@ telemetry:
 
 
 class Env:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, log_requests: bool = False) -> None:
+        """log_requests: the S3 and MLflow servers log each request with its time (tests/servers.py)."""
         self.pg = start_postgres(workdir / "pg")
-        self.s3 = start_s3(workdir / "s3")
+        self.s3 = start_s3(workdir / "s3", log_requests=log_requests)
         self.mlflow = start_mlflow(
-            workdir / "mlflow", self.pg.create_db("mlflow"), self.s3.root("mlartifacts"), self.s3.env
+            workdir / "mlflow",
+            self.pg.create_db("mlflow"),
+            self.s3.root("mlartifacts"),
+            self.s3.env,
+            log_requests=log_requests,
         )
         self.dagster_pg = self.pg.create_db("dagster")
         self.cluster = RayCluster(workdir / "ray")

@@ -65,6 +65,7 @@ def test_every_version_looks_up_as_in_the_full_history(table) -> None:
 
 
 def test_a_recent_commit_reads_one_page_and_an_absent_partition_none(table, monkeypatch) -> None:
+    store._COMMITS.clear()  # a new process: no commit read yet
     limits = []
     history = DeltaTable.history
     monkeypatch.setattr(DeltaTable, "history", lambda self, limit=None: limits.append(limit) or history(self, limit))
@@ -72,9 +73,23 @@ def test_a_recent_commit_reads_one_page_and_an_absent_partition_none(table, monk
     assert limits == [store.HISTORY_PAGE]
     limits.clear()
     assert store.newest_commit(table, "r", 1000) is None and limits == []  # no rows: no commit to look for
-    assert store.newest_commit(table, "r", 7)["stage"] == "rescore" and limits == [store.HISTORY_PAGE]
-    limits.clear()
+    assert store.newest_commit(table, "r", 7)["stage"] == "rescore" and limits == []  # in the page read: not again
     assert store.newest_commit(table, "r", 1)["version"] == 2 and limits[-1] > store.HISTORY_PAGE  # v1: other run
+    limits.clear()
+    assert store.newest_commit(table, "r", 1)["version"] == 2 and limits == []  # every commit read once per process
+
+
+def test_a_commit_made_since_the_last_look_up_is_read_alone(tmp_path, monkeypatch) -> None:
+    uri = str(tmp_path / "t")
+    for it in range(3):
+        _write(uri, "r", it)
+    assert store.newest_commit(uri, "r", 2)["iteration"] == "2"
+    v = _write(uri, "r", 3)
+    limits = []
+    history = DeltaTable.history
+    monkeypatch.setattr(DeltaTable, "history", lambda self, limit=None: limits.append(limit) or history(self, limit))
+    assert store.newest_commit(uri, "r", 3) == store.commit_lineage(uri)[0] and limits == []  # its file alone
+    assert store.newest_commit(uri, "r", 3)["version"] == v
 
 
 def test_commits_made_while_paging_are_left_out(tmp_path) -> None:
