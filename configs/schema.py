@@ -356,6 +356,14 @@ class ActorConfig(_Strict):
     ] = "low_var_kl"
     num_workers: int = 2
     """Trainer ranks: persistent Ray actors in one gloo group (data parallel, or the TP x PP x DP grid)."""
+    worker_backend: Literal["worker_group", "ray_train"] = "worker_group"
+    """What runs the trainer ranks: 'worker_group', rlake's named Ray actors (stages/workers/group.py), or
+    'ray_train', the workers of one Ray Train run kept for the whole rlake run, which Ray Train restarts by itself
+    when a rank is lost (stages/workers/train_group.py). Same worker code, policy and optimizer resident either
+    way; 'ray_train' takes no GPU pool (docs/architecture.md, "The update on Ray Train")."""
+    ray_train_max_failures: int = Field(2, ge=0)
+    """With worker_backend='ray_train': restarts of the rank group Ray Train makes by itself (its
+    FailureConfig.max_failures) before the failure reaches rlake's own iteration retry."""
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig = LoraConfig()
     """LoRA fine-tuning of the actor (rank 0: off); torch strategy only."""
@@ -1057,6 +1065,20 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _no_uri_password(self) -> RunConfig:
         refuse_uri_passwords(self.model_dump(mode="json"))  # configs/secrets.py: a config is recorded everywhere
+        return self
+
+    @model_validator(mode="after")
+    def _ray_train_without_gpu_pool(self) -> RunConfig:
+        if self.actor.worker_backend == "ray_train" and self.trainer.n_gpus_per_node > 0:
+            if "actor" not in self.ray.resources_per_worker:
+                raise ValueError(
+                    f"actor.worker_backend='ray_train' is not supported with trainer.n_gpus_per_node="
+                    f"{self.trainer.n_gpus_per_node} (the GPU pool), because the pool colocates the trainer ranks "
+                    "with the rollout engines inside its placement group's bundles, and Ray Train's ScalingConfig "
+                    "cannot place ranks in an existing placement group (it reserves GPUs of its own); use "
+                    "actor.worker_backend='worker_group' on the GPU pool, or give the trainer GPUs of its own with "
+                    "ray.resources_per_worker.actor (e.g. {GPU: 1, CPU: 4})."
+                )
         return self
 
     @model_validator(mode="after")

@@ -70,7 +70,15 @@ def actor_workers(actor: ActorConfig, threads_per_worker: int | None = None, gpu
     n = actor.num_workers
     threads = threads_per_worker or max(1, node_cpus() // n)
     return worker_group(
-        ActorWorker, "actor", n, threads=threads, process_group=True, gpus=gpus, strategy=actor.strategy
+        ActorWorker,
+        "actor",
+        n,
+        threads=threads,
+        process_group=True,
+        gpus=gpus,
+        backend=actor.worker_backend,
+        max_failures=actor.ray_train_max_failures,
+        strategy=actor.strategy,
     )
 
 

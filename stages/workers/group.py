@@ -241,6 +241,8 @@ def worker_group(
     threads: int = 1,
     process_group: bool = False,
     gpus: GpuPool = CPU_ONLY,
+    backend: str = "worker_group",
+    max_failures: int = 2,
     **init_kwargs: Any,
 ) -> WorkerGroup:
     """The run's group of `role`, created on first use and rebuilt when its shape changed.
@@ -249,7 +251,8 @@ def worker_group(
     ranks join one gloo (NCCL on GPUs) group (rank i = actor i). gpus: the run's GPU pool
     (GpuPool.of(cfg.trainer)); rank i requests its share of GPU i (stages.workers.placement). A role named in
     ray.resources_per_worker (recorded by ensure_ray) is placed in its own placement group instead, each rank
-    with the bundle's CPUs as `threads`."""
+    with the bundle's CPUs as `threads`. backend 'ray_train': the ranks are one Ray Train run that restarts
+    itself up to max_failures times (stages/workers/train_group.py; no GPU pool)."""
     run = settings()
     resources = run.resources_per_worker.get(role)
     group_name = role_group_name(run.run_id, role)
@@ -257,6 +260,13 @@ def worker_group(
     threads = bundle_threads(resources, threads) if resources else threads
     shape = repr((worker_cls.__module__, worker_cls.__qualname__, num_workers, threads, process_group))
     shape += repr((sorted(init_kwargs.items()), gpus, sorted((resources or {}).items())))
+    if backend == "ray_train":
+        from stages.workers.train_group import train_group  # noqa: PLC0415 - it imports this module
+
+        shape += repr((backend, max_failures))
+        spec = {"num_workers": num_workers, "threads": threads, "process_group": process_group, "shape": shape}
+        spec |= {"resources": resources, "init_kwargs": init_kwargs, "max_failures": max_failures, "local": run.local}
+        return train_group(worker_cls, role, spec)
     found = _existing(worker_cls, role, num_workers, shape)
     if found is not None:
         return found
@@ -321,7 +331,8 @@ def call_with_retry(make_group: Callable[[], WorkerGroup], fn: Callable[[WorkerG
         try:
             return fn(group)
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            group.kill()
+            if not getattr(exc, "restarts_itself", False):  # a Ray Train group restarts itself (train_group.py)
+                group.kill()
             if attempt == retries:
                 raise
             log.warning(
