@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from stages.io import uris
@@ -305,11 +306,12 @@ def read_partition(
     version: int | None = None,
     columns: list[str] | None = None,
     storage_options: Options = None,
+    filters: pc.Expression | None = None,
 ) -> pd.DataFrame:
-    """Rows of one (run_id, iteration) partition, optionally at a table version (time travel)."""
-    return read_partition_at(uri, run_id, iteration, version=version, columns=columns, storage_options=storage_options)[
-        0
-    ]
+    """Rows of one (run_id, iteration) partition, optionally at a table version (time travel), optionally only
+    those matching `filters` (a pyarrow expression: an empty result is then no error)."""
+    kw = {"version": version, "columns": columns, "storage_options": storage_options, "filters": filters}
+    return read_partition_at(uri, run_id, iteration, **kw)[0]
 
 
 def read_partition_at(
@@ -320,20 +322,23 @@ def read_partition_at(
     version: int | None = None,
     columns: list[str] | None = None,
     storage_options: Options = None,
+    filters: pc.Expression | None = None,
 ) -> tuple[pd.DataFrame, int]:
     """(read_partition's rows, the table version they were read at: `version`, else the newest), one table open."""
     if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     dt = open_table(uri, version=version, storage_options=storage_options)
     try:
-        df = dt.to_pandas(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns)
+        df = dt.to_pandas(
+            partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns, filters=filters
+        )
     except FileNotFoundError:
         if version is not None:  # a recorded version VACUUM removed: say so (what, why, how to fix)
             from stages.io.maintenance import check_version_files  # noqa: PLC0415 - maintenance imports store
 
             check_version_files(uri, version, run_id=run_id, iteration=iteration, storage_options=storage_options)
         raise
-    if not len(df):
+    if not len(df) and filters is None:
         raise missing_partition_error(uri, dt.version(), run_id, iteration)
     return df, dt.version()
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow.compute as pc
 import ray
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ from stages.io.checkpoints import (
     save_optimizer_state,
     writing,
 )
-from stages.io.store import read_partition
+from stages.io.store import open_table, read_partition
 from stages.models.lora import load_lora_policy, merged_state_dict, refuse_lora_checkpoint, save_adapter, save_merged
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
@@ -89,11 +90,42 @@ METRICS_FILE = "update_metrics.json"
 return value (through Ray), never from this file."""
 
 
+ROW_COLUMNS = (
+    "rollout_id",
+    "prompt_token_ids",
+    "response_token_ids",
+    "advantage",
+    "token_advantages",
+    "ref_logprobs",
+    "response_mask",
+    "rollout_logprobs",
+    "old_logprobs",
+)
+"""The advantages table's columns the update reads (those the table has)."""
+
+
+def rank_partition(req: UpdateRequest, rank: int, world: int) -> pd.DataFrame:
+    """This (data-parallel) rank's rows of the iteration's advantages partition at the recorded version, in
+    rollout_id order: the partition's rollout ids first (one column), then only this rank's rows
+    (stages.train.ppo_loop.shard_for_rank of the sorted ids) and only the ROW_COLUMNS the table has. Each rank
+    reads its shard, never the whole partition."""
+    uri, version = req.advantages_uri, req.advantages_version
+    ids = read_partition(uri, req.run_id, req.iteration, version=version, columns=["rollout_id"])["rollout_id"]
+    ids = ids.sort_values().to_numpy()
+    mine = ids[shard_for_rank(len(ids), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
+    names = set(open_table(uri, version=version).schema().to_arrow().names)
+    columns = [c for c in ROW_COLUMNS if c in names]
+    if not len(mine):  # more ranks than rows: this rank has none
+        return pd.DataFrame({c: [] for c in columns})
+    df = read_partition(
+        uri, req.run_id, req.iteration, version=version, columns=columns, filters=pc.field("rollout_id").isin(mine)
+    )
+    return df.sort_values("rollout_id").reset_index(drop=True)
+
+
 def read_rows(req: UpdateRequest, rank: int, world: int) -> dict:
     """This (data-parallel) rank's rows of the iteration, as ppo_update takes them."""
-    df = read_partition(req.advantages_uri, req.run_id, req.iteration, version=req.advantages_version)
-    df = df.sort_values("rollout_id").reset_index(drop=True)
-    part = df.iloc[shard_for_rank(len(df), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
+    part = rank_partition(req, rank, world)
     rows = {
         "prompt_token_ids": [list(x) for x in part["prompt_token_ids"]],
         "response_token_ids": [list(x) for x in part["response_token_ids"]],
