@@ -18,7 +18,7 @@ shards (stages/train/fsdp.py). Forwards still enter this autocast, which then fi
 and keeps its float32 ops. Checkpoints are written from the masters, so they stay float32. It saves the
 per-forward weight cast, not memory on one rank (bf16 parameters beside float32 masters are 1.5x the float32
 weights); on an avx512_bf16 CPU it was not faster than autocast (docs/benchmarks.md), so autocast stays the
-default. Not with megatron (configs/schema.py says why) or LoRA.
+default. Not with megatron (configs/sections/actor.py says why) or LoRA.
 
 The old log-probs and the reference log-probs use the update's precision, so the PPO ratio at the first
 mini-batch is 1 up to the rounding of bf16 matmuls over differently padded batches (docs/benchmarks.md
