@@ -6,18 +6,21 @@ host, same fit) and the update is retried on the restarted ranks; the GPU pool i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import ray
 import torch
 
-from configs.schema import load_config
+from configs.schema import ActorConfig, load_config
 from stages.update import actor_group, run_update
+from stages.workers.actor_worker import ActorWorker
 from stages.workers.group import shutdown_worker_groups
 from stages.workers.train_group import TrainGroup
 
@@ -53,6 +56,12 @@ def test_ray_train_update_equals_worker_group_and_keeps_the_policy_resident(
         assert rt[key] == wg[key], key
     worst = max((a - b).abs().max().item() for a, b in zip(_weights(tmp_path / "wg2"), _weights(tmp_path / "rt2")))
     assert worst == 0.0, f"Ray Train vs WorkerGroup update differ by {worst:.2e}"
+
+    megatron = ActorConfig(strategy="megatron")  # a Python error in the ranks reaches the caller as itself
+    with pytest.raises(ValueError, match="reached a 'torch' ActorWorker") as raised:
+        group.call(ActorWorker.compute_log_prob, str(tmp_path / "rt2"), pd.DataFrame(), megatron, 1.0)
+    assert re.match(r"rank [01] of the Ray Train group raised in compute_log_prob", raised.value.__notes__[0])
+    assert group.handles == []  # stopped, as a WorkerGroup is killed: a peer may wait in a collective
     shutdown_worker_groups()
 
 
