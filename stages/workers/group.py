@@ -272,21 +272,28 @@ def worker_group(
         return found
     if resources:
         role_placement_group(group_name, [dict(p.resources) for p in placements], run.placement_timeout_s)
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # merged into the job's env_vars
-    remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
     build = uuid.uuid4().hex[:8]
-    _kill_groups_at_exit()
-    prefix = _role_prefix(role)
-    handles = [
-        remote.options(
-            name=f"{prefix}{build}:{i}", lifetime="detached", **actor_options(p, run.placement_timeout_s)
-        ).remote(i, num_workers, threads, shape, **init_kwargs)
-        for i, p in enumerate(placements)
-    ]
+    handles = _start_actors(worker_cls, role, build, placements, threads, shape, init_kwargs)
     group = WorkerGroup(worker_cls, role, handles)
     if process_group and num_workers > 1:
         group.call(Worker.init_process_group, _rendezvous(handles[0], f"{role}-{build}"))
     return group
+
+
+def _start_actors(
+    worker_cls: type, role: str, build: str, placements: list, threads: int, shape: str, init_kwargs: dict
+) -> list:
+    """The detached, named actors `rlake:<run>:<role>:<build>:<rank>` of a new group, rank i at placements[i]."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # merged into the job's env_vars
+    remote = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env})(worker_cls)
+    _kill_groups_at_exit()
+    prefix, timeout_s = _role_prefix(role), settings().placement_timeout_s
+    return [
+        remote.options(name=f"{prefix}{build}:{i}", lifetime="detached", **actor_options(p, timeout_s)).remote(
+            i, len(placements), threads, shape, **init_kwargs
+        )
+        for i, p in enumerate(placements)
+    ]
 
 
 def _existing(worker_cls: type, role: str, num_workers: int, shape: str) -> WorkerGroup | None:
