@@ -11,11 +11,15 @@ stages.advantage.compute_advantage_table turns whole frames (every token list a 
    estimator/option (REINFORCE++ and GAE whiten or run over the whole batch; KL in the reward, distillation, remax)
    fills the (N, L) float32 tensors compute_advantage_table builds (mask; old/ref/teacher log-probs, values) batch
    by batch and runs the same functions on them whole. Either way the numbers are bit-identical to today's.
-   The joined tables (old_logprobs, ref_logprobs, values, teacher_logprobs) are read as Arrow columns (compact,
-   about 1 KB per 256-token rollout) and taken into the kept order by rollout_id: their stages write them whole,
-   one file of one row group, so a per-batch range read would decode the whole column again for every batch.
-3. output: scored_rollouts' token columns streamed again, each batch's kept rows joined with their slices of the
-   dense outputs and the Arrow columns, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames).
+   The joined tables (old_logprobs, ref_logprobs, values, teacher_logprobs) are joined by rollout_id with a
+   merge join (join, JoinedRows): a first streamed pass reads their rollout_id and list lengths only (the checks),
+   then each pass that needs their token lists streams them a record batch at a time alongside scored_rollouts.
+   That needs them in the kept order (their stages write them in the rollouts' order); a table out of that order
+   is read whole as Arrow and taken into the kept order (the step's peak then grows by about 2x its column).
+3. output: scored_rollouts' token columns streamed again (Arrow), each batch's kept rows joined with their slices
+   of the outputs and the joined tables, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames).
+   The list columns reach the writer as Arrow buffers (token_advantages and returns built from numpy), never
+   as Python lists.
 
 Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
 sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
@@ -37,7 +41,6 @@ from configs.schema import RunConfig
 from stages.advantage import (
     distilled,
     drop_flagged_rollouts,
-    engine_logprob_lists,
     estimate,
     finite_rewards,
     iteration_advantages,
@@ -54,7 +57,7 @@ from stages.algos.advantages import (
 )
 from stages.filter_groups import select_training_groups, split_baseline_rows
 from stages.io.stage_exec import BATCH_ROWS, Partition, write_frames
-from stages.train.batching import loss_mask, ragged_to_padded, row_masks
+from stages.train.batching import loss_mask, row_masks
 
 SCALARS = ["rollout_id", "group_id", "policy_version", "reward", "response_length", "is_baseline", "score"]
 """The scored_rollouts columns the row selection and the outcome math read (pass 1)."""
@@ -115,48 +118,107 @@ def selected_rows(cfg: RunConfig, scalars: pd.DataFrame) -> tuple[pd.DataFrame, 
     return kept, baselines, dropped
 
 
-def joined_table(part: Partition, which: str, kept: pd.DataFrame) -> pa.Table:
-    """The upstream table's token column (and scalars) for the kept rows, in their order, as Arrow; a kept rollout
+@dataclass(frozen=True)
+class Joined:
+    """An upstream table joined by rollout_id: `positions`, the place in its stream of each kept row's row (in the
+    kept order); `whole`, its columns taken into the kept order, only where those places do not increase."""
+
+    part: Partition
+    which: str
+    positions: np.ndarray
+    whole: pa.Table | None
+    batch_rows: int | None = None
+
+    def rows(self) -> JoinedRows:
+        """A new pass over the kept rows' rows."""
+        return JoinedRows(self)
+
+
+def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None = None) -> Joined:
+    """The upstream table's rows of the kept rollouts (streamed: rollout_id and list lengths only); a kept rollout
     it lacks, or a token list of another length than the response, is an error naming the rollouts."""
     column, scalars, what, asset = JOINS[which]
-    table = part.arrow(["rollout_id", column, *scalars])
-    src = table["rollout_id"].to_numpy()
-    ids = kept["rollout_id"].to_numpy()
+    ids, lengths = [np.zeros(0, np.int64)], [np.zeros(0)]
+    for batch in part.record_batches(["rollout_id", column]):
+        ids.append(batch["rollout_id"].to_numpy())
+        lengths.append(pc.list_value_length(batch[column]).to_numpy(zero_copy_only=False))
+    src, wanted = np.concatenate(ids), kept["rollout_id"].to_numpy()
     order = np.argsort(src, kind="stable")
-    loc = np.minimum(np.searchsorted(src[order], ids), max(len(src) - 1, 0))
-    found = src[order][loc] == ids if len(src) else np.zeros(len(ids), bool)
+    loc = np.minimum(np.searchsorted(src[order], wanted), max(len(src) - 1, 0))
+    found = src[order][loc] == wanted if len(src) else np.zeros(len(wanted), bool)
     if not found.all():
         raise ValueError(
-            f"rollouts {ids[~found][:10].tolist()} have no {what}; the {asset} table is from other rollouts: "
+            f"rollouts {wanted[~found][:10].tolist()} have no {what}; the {asset} table is from other rollouts: "
             f"re-materialize {asset} of this iteration after its rollouts"
         )
-    table = table.take(pa.array(order[loc]))
-    lengths = pc.list_value_length(table[column]).to_numpy(zero_copy_only=False)
-    bad = ids[lengths != kept["response_length"].to_numpy(dtype=np.int64)][:10].tolist()
-    if bad:
-        raise ValueError(f"rollouts {bad}: {what} of another length than the response; re-materialize {asset}")
-    return table
+    positions = order[loc]
+    bad = wanted[np.concatenate(lengths)[positions] != kept["response_length"].to_numpy(dtype=np.int64)]
+    if len(bad):
+        raise ValueError(
+            f"rollouts {bad[:10].tolist()}: {what} of another length than the response; re-materialize {asset}"
+        )
+    ordered = bool((np.diff(positions) > 0).all())  # the table in the kept order (a subset): merge, else take whole
+    whole = None if ordered else part.arrow([column, *scalars]).take(pa.array(positions))
+    return Joined(part, which, positions, whole, batch_rows)
 
 
-def padded(column: pa.ChunkedArray, width: int) -> torch.Tensor:
-    """(N, width) float32 of a list column (zeros after each list), as ragged_to_padded, a batch at a time."""
-    out = torch.zeros(len(column), width)
-    for start in range(0, len(column), BATCH_ROWS):
-        chunk = column.slice(start, BATCH_ROWS).to_pylist()
-        out[start : start + len(chunk)] = ragged_to_padded(chunk, width)
+class JoinedRows:
+    """One pass over a Joined table's kept rows: take(first, k), called with increasing `first`, gives kept rows
+    first..first+k. A merge join over the two streams: only the table's record batches from the first of those
+    rows to the last are held (or the `whole` columns are sliced)."""
+
+    def __init__(self, joined: Joined):
+        column, scalars, _, _ = JOINS[joined.which]
+        self.positions, self.whole = joined.positions, joined.whole
+        columns = [column, *scalars]
+        self.stream = None if joined.whole is not None else joined.part.record_batches(columns, joined.batch_rows)
+        self.held: list[pa.RecordBatch] = []
+        self.start = self.end = 0  # the held rows' places in the stream: start..end
+
+    def take(self, first: int, k: int) -> pa.Table:
+        """The table's columns for kept rows first..first+k, in that order."""
+        if self.whole is not None:
+            return self.whole.slice(first, k)
+        places = self.positions[first : first + k]
+        while self.end <= places[-1]:
+            self.held.append(next(self.stream))
+            self.end += self.held[-1].num_rows
+        while self.start + self.held[0].num_rows <= places[0]:
+            self.start += self.held.pop(0).num_rows
+        return pa.Table.from_batches(self.held).take(pa.array(places - self.start))
+
+
+def fill_rows(out: torch.Tensor, column: pa.Array | pa.ChunkedArray) -> None:
+    """Write a list column's k rows into `out` (k, width) (zeros after each list, a null row all zeros), as
+    ragged_to_padded does from Python lists."""
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy()
+    within = np.arange(out.shape[1])[None, :] < lengths[:, None]  # (k, width)
+    out.numpy()[within] = pc.list_flatten(column).to_numpy(zero_copy_only=False)
+
+
+def padded(joined: Joined, width: int) -> torch.Tensor:
+    """(N, width) float32 of a joined table's token column in the kept order, a batch at a time."""
+    column, rows, n = JOINS[joined.which][0], joined.rows(), len(joined.positions)
+    out = torch.zeros(n, width)
+    for first in range(0, n, BATCH_ROWS):
+        fill_rows(out[first : first + BATCH_ROWS], rows.take(first, min(BATCH_ROWS, n - first))[column])
     return out
 
 
 def kept_batches(scored: Partition, kept: pd.DataFrame, columns: list[str], batch_rows: int | None):
-    """(first kept index, the batch's kept rows) over scored_rollouts streamed again, in the kept order (which
-    is the stream's: stream_advantages checked it)."""
+    """(first kept index, the batch's kept rows as Arrow) over scored_rollouts streamed again, in the kept order
+    (which is the stream's: stream_advantages checked it)."""
     pos, seen, first = kept["_pos"].to_numpy(), 0, 0
-    for batch in scored.batches(columns, batch_rows):
-        stop = int(np.searchsorted(pos, seen + len(batch)))
-        rows = batch.iloc[pos[first:stop] - seen].reset_index(drop=True)
-        if len(rows):
-            yield first, rows
-        seen, first = seen + len(batch), stop
+    for batch in scored.record_batches(columns, batch_rows):
+        stop = int(np.searchsorted(pos, seen + batch.num_rows))
+        if stop > first:
+            yield first, batch.take(pa.array(pos[first:stop] - seen))
+        seen, first = seen + batch.num_rows, stop
+
+
+def masks_of(rows: pa.RecordBatch):
+    """row_masks of the rows' response_mask (None: the table has none, or no row has one)."""
+    return row_masks(rows["response_mask"].to_pylist() if "response_mask" in rows.schema.names else None)
 
 
 def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: bool, batch_rows: int | None):
@@ -170,12 +232,12 @@ def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: b
     if not columns:
         return mask, lp
     for first, rows in kept_batches(scored, kept, columns, batch_rows):
-        stop = first + len(rows)
-        masks = row_masks(rows.get("response_mask"))
+        stop = first + rows.num_rows
+        masks = masks_of(rows)
         if masks is not None:
             mask[first:stop] = loss_mask(lengths[first:stop].tolist(), width, masks)
         if engine_lp:
-            lp[first:stop] = ragged_to_padded(rows["rollout_logprobs"], width)
+            fill_rows(lp[first:stop], rows["rollout_logprobs"])
     return mask, lp
 
 
@@ -217,9 +279,9 @@ def model_token_counts(scored: Partition, kept: pd.DataFrame, batch_rows: int | 
     if "response_mask" not in scored.columns():
         return counts
     for first, rows in kept_batches(scored, kept, ["response_mask"], batch_rows):
-        masks, sub = row_masks(rows["response_mask"]), lengths[first : first + len(rows)]
+        masks, sub = masks_of(rows), lengths[first : first + rows.num_rows]
         if masks is not None:
-            counts[first : first + len(rows)] = loss_mask(sub.tolist(), max(1, int(sub.max())), masks).sum(-1)
+            counts[first : first + rows.num_rows] = loss_mask(sub.tolist(), max(1, int(sub.max())), masks).sum(-1)
     return counts
 
 
@@ -251,60 +313,83 @@ def dense_advantages(cfg: RunConfig, kept, baselines, joined: dict, mask, engine
     cols = {"kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan), "teacher_kl": np.full(n, np.nan)}
     student = engine_lp  # the engine's log-probs without an old_logprobs table, as the whole-frame path
     if "old" in joined and (alg.use_kl_in_reward or alg.distillation.enable):
-        student = padded(joined["old"]["old_logprobs"], width)  # (N, L) the actor's recomputed log-probs
+        student = padded(joined["old"], width)  # (N, L) the actor's recomputed log-probs
     if alg.use_kl_in_reward:
-        ref_lp = padded(joined["ref"]["ref_logprobs"], width)  # (N, L)
+        ref_lp = padded(joined["ref"], width)  # (N, L)
         token_rewards, kl_cols = kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef)
         cols |= kl_cols
-    gae_values = padded(joined["values"]["values"], width) if alg.adv_estimator == "gae" else None
+    gae_values = padded(joined["values"], width) if alg.adv_estimator == "gae" else None
     adv, returns = estimate(alg, token_rewards, mask, kept["group_id"], gae_values, baseline_rewards)
     if alg.distillation.enable:
-        teacher = padded(joined["teacher"]["teacher_logprobs"], width)  # (N, L)
+        teacher = padded(joined["teacher"], width)  # (N, L)
         adv, cols["teacher_kl"] = distilled(adv, student, teacher, mask, alg.distillation)
     return Outputs(adv, returns, rewards, cols)
 
 
-def joined_columns(joined: dict, first: int, k: int) -> dict:
+def arrow_series(array: pa.Array | pa.ChunkedArray) -> pd.Series:
+    """A pandas column over Arrow buffers (no Python object per row or value); the writer takes it as is."""
+    return pd.Series(pd.arrays.ArrowExtensionArray(array))
+
+
+def list_column(values: np.ndarray, lengths: np.ndarray) -> pd.Series:
+    """A list column from its rows' values end to end and the rows' lengths."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return arrow_series(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+
+
+def token_lists(t: torch.Tensor, lengths: np.ndarray) -> pd.Series:
+    """Each row's first lengths[i] values of t (k, L'): what [t[i, :n].tolist() ...] holds, as list<float>."""
+    return list_column(t.numpy()[np.arange(t.shape[1])[None, :] < lengths[:, None]], lengths)
+
+
+def engine_lists(rows: pa.RecordBatch) -> pd.Series:
+    """stages.advantage.engine_logprob_lists in Arrow: rollout_logprobs, an empty list where a row has none."""
+    if "rollout_logprobs" not in rows.schema.names:
+        return list_column(np.zeros(0, np.float32), np.zeros(rows.num_rows, np.int64))
+    column = rows["rollout_logprobs"]
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy()
+    return list_column(pc.list_flatten(column).to_numpy(zero_copy_only=False), lengths)
+
+
+def joined_columns(cursors: dict, first: int, k: int) -> dict:
     """The advantages table's old_logprobs / rollout_probs_diff_* / ref_logprobs / teacher_logprobs columns for
     kept rows first..first+k (empty lists and NaN for a table the run does not join)."""
-    empty = [[] for _ in range(k)]
+    empty = list_column(np.zeros(0, np.float32), np.zeros(k, np.int64))
     out = {"old_logprobs": empty, "rollout_probs_diff_max": np.full(k, np.nan)}
     out |= {"rollout_probs_diff_mean": np.full(k, np.nan), "ref_logprobs": empty, "teacher_logprobs": empty}
-    for which, table in joined.items():
+    for which, cursor in cursors.items():
         column, scalars, _, _ = JOINS[which]
-        if which == "values":
-            continue  # GAE reads them; the table does not copy them
-        part = table.slice(first, k)
-        out[column] = list(part[column].to_numpy(zero_copy_only=False))
-        out |= {c: part[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in scalars}
+        part = cursor.take(first, k)
+        out[column] = arrow_series(part[column])
+        out |= {c: part[c].to_numpy().astype(np.float64) for c in scalars}
     return out
 
 
 def output_frames(
-    cfg: RunConfig, scored: Partition, kept, joined, out: Outputs, firsts: list, batch_rows
+    cfg: RunConfig, scored: Partition, kept, joined: dict, out: Outputs, firsts: list, batch_rows
 ) -> Iterator[pd.DataFrame]:
-    """Pass 3: the advantages table a batch of scored_rollouts at a time, columns as compute_advantage_table's;
-    each batch's `advantage` column is appended to `firsts` (the asset's summary)."""
-    has = set(scored.columns())
-    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    """Pass 3: the advantages table a batch of scored_rollouts at a time, columns as compute_advantage_table's
+    (the list columns over Arrow buffers); each batch's `advantage` column is appended to `firsts`."""
+    has, lengths = set(scored.columns()), kept["response_length"].to_numpy(dtype=np.int64)
+    cursors = {w: j.rows() for w, j in joined.items() if w != "values"}  # GAE reads values; the table has none
     for first, rows in kept_batches(scored, kept, [c for c in TOKENS if c in has], batch_rows):
-        sl, k, masks = slice(first, first + len(rows)), len(rows), row_masks(rows.get("response_mask"))
+        sl, k, masks = slice(first, first + rows.num_rows), rows.num_rows, masks_of(rows)
         a, r = out.token_rows(first, lengths[sl], masks)
-        n_tok = lengths[sl].tolist()
-        firsts.append(a[:, 0].numpy())
+        firsts.append(a[:, 0].numpy().copy())  # not a view: it would keep the whole (k, L') rows alive
+        advantages = token_lists(a, lengths[sl])
         yield pd.DataFrame(
             {
                 **{key: kept[key].to_numpy()[sl] for key in ("rollout_id", "group_id", "policy_version")},
-                **{key: rows[key].to_numpy() for key in ("prompt_token_ids", "response_token_ids")},
+                **{key: arrow_series(rows[key]) for key in ("prompt_token_ids", "response_token_ids")},
                 "response_mask": pd.Series(masks or [None] * k, dtype=object),
                 "reward": out.rewards[sl],
                 "advantage": firsts[-1],
-                "token_advantages": [a[i, :n].tolist() for i, n in enumerate(n_tok)],
+                "token_advantages": advantages,
                 "adv_estimator": cfg.algorithm.adv_estimator,
-                "rollout_logprobs": engine_logprob_lists(rows),
-                **joined_columns(joined, first, k),
+                "rollout_logprobs": engine_lists(rows),
+                **joined_columns(cursors, first, k),
                 **{key: out.cols[key][sl] for key in ("kl_coef", "reward_kl", "teacher_kl")},
-                "returns": [r[i, :n].tolist() for i, n in enumerate(n_tok)],
+                "returns": advantages if r is a else token_lists(r, lengths[sl]),
             }
         )
 
@@ -356,7 +441,7 @@ def stream_advantages(
     alg = cfg.algorithm
     previous = up.previous.read(["kl_coef", "reward_kl"]) if up.previous is not None else None
     kl_coef = kl_coef_for_iteration(alg, previous) if alg.use_kl_in_reward else None
-    joined = {w: joined_table(getattr(up, w), w, kept) for w in joins}
+    joined = {w: join(getattr(up, w), w, kept, batch_rows) for w in joins}
     if per_row_path(alg):  # the common case: per-row scalars, no (N, L) tensor
         out = row_advantages(cfg, kept, model_token_counts(up.scored, kept, batch_rows))
     else:

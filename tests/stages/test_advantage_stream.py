@@ -4,6 +4,7 @@ batch sizes that split groups. Real Delta tables under tmp_path."""
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ from configs.schema import AlgorithmConfig, DistillationConfig, FilterGroupsConf
 from stages.advantage import iteration_advantages
 from stages.advantage_stream import Upstream, stream_advantages
 from stages.io import store
-from stages.io.stage_exec import Partition
+from stages.io.stage_exec import Partition, write_frames
 
 RUN = "s"
 N = 48
@@ -53,16 +54,24 @@ def _scored(rng: np.random.Generator, *, remax: bool, shuffled: bool) -> pd.Data
     return df.sample(frac=1.0, random_state=0).reset_index(drop=True) if shuffled else df
 
 
-def _token_table(scored: pd.DataFrame, column: str, rng: np.random.Generator, **extra) -> pd.DataFrame:
-    """A per-token upstream table (old/ref/teacher log-probs, values) of the rollouts, in reverse order."""
-    rows = scored.sort_values("rollout_id", ascending=False)
+def _token_table(
+    scored: pd.DataFrame, column: str, rng: np.random.Generator, ascending: bool = False, **extra
+) -> pd.DataFrame:
+    """A per-token upstream table (old/ref/teacher log-probs, values) of the rollouts, in reverse order (or in
+    rollout_id order: ascending)."""
+    rows = scored.sort_values("rollout_id", ascending=ascending)
     lists = [list(-rng.exponential(0.5, int(k))) for k in rows["response_length"]]
     return pd.DataFrame({"rollout_id": rows["rollout_id"].to_numpy(), column: lists, **extra})
 
 
-def _write(tmp_path, name: str, df: pd.DataFrame, it: int = 1) -> Partition:
+def _write(tmp_path, name: str, df: pd.DataFrame, it: int = 1, files: int = 1) -> Partition:
+    """The partition written as `files` Parquet files (a Ray-block write's layout), in the frame's row order."""
     uri = str(tmp_path / name)
-    version = store.write_partition(uri, name, df, run_id=RUN, iteration=it, lineage={})
+    if files == 1:
+        version = store.write_partition(uri, name, df, run_id=RUN, iteration=it, lineage={})
+    else:
+        frames = [df.iloc[rows] for rows in np.array_split(np.arange(len(df)), files)]
+        version = write_frames(frames, uri, name, run_id=RUN, iteration=it, lineage={})
     return Partition(uri, RUN, it, version)
 
 
@@ -92,8 +101,10 @@ def _cfg(alg: AlgorithmConfig):
     )
 
 
-def _upstream(tmp_path, alg: AlgorithmConfig, *, shuffled: bool = False) -> Upstream:
-    rng = np.random.default_rng(0)
+def _upstream(tmp_path, alg: AlgorithmConfig, *, shuffled: bool = False, in_order: bool = False) -> Upstream:
+    """The upstream partitions; in_order: the per-token tables in rollout_id order, as 3 files each."""
+    rng, files = np.random.default_rng(0), 3 if in_order else 1
+    table = partial(_token_table, rng=rng, ascending=in_order)
     scored = _scored(rng, remax=alg.adv_estimator == "remax", shuffled=shuffled)
     gap = {"rollout_probs_diff_max": rng.random(N), "rollout_probs_diff_mean": rng.random(N)}
     previous = None
@@ -103,12 +114,15 @@ def _upstream(tmp_path, alg: AlgorithmConfig, *, shuffled: bool = False) -> Upst
         previous = Partition(str(tmp_path / "previous"), RUN, 0, None)
     return Upstream(
         scored=_write(tmp_path, "scored_rollouts", scored),
-        old=_write(tmp_path, "old_logprobs", _token_table(scored, "old_logprobs", rng, policy_version=0, **gap)),
+        old=_write(tmp_path, "old_logprobs", table(scored, "old_logprobs", policy_version=0, **gap), files=files),
         ref=_write(
-            tmp_path, "ref_logprobs", _token_table(scored, "ref_logprobs", rng, policy_version=0, ref_policy_version=0)
+            tmp_path,
+            "ref_logprobs",
+            table(scored, "ref_logprobs", policy_version=0, ref_policy_version=0),
+            files=files,
         ),
-        values=_write(tmp_path, "values", _token_table(scored, "values", rng, critic_version=0)),
-        teacher=_write(tmp_path, "teacher_logprobs", _token_table(scored, "teacher_logprobs", rng, policy_version=0)),
+        values=_write(tmp_path, "values", table(scored, "values", critic_version=0), files=files),
+        teacher=_write(tmp_path, "teacher_logprobs", table(scored, "teacher_logprobs", policy_version=0), files=files),
         previous=previous,
     )
 
@@ -145,6 +159,26 @@ def test_streamed_table_equals_the_whole_frame_one(tmp_path, case: str, batch_ro
     np.testing.assert_array_equal(run.summary["advantage"].to_numpy(), whole["advantage"].to_numpy())
     files = store.open_table(str(tmp_path / "advantages")).to_pyarrow_dataset().get_fragments()
     assert (len(list(files)) > 2) if batch_rows else (len(list(files)) == 1)  # a file per batch with kept rows
+
+
+@pytest.mark.parametrize("batch_rows", [None, 5, 3])
+@pytest.mark.parametrize("case", ["grpo", "reinforce_pp", "gae_kl_in_reward", "grpo_distill", "grpo_filter_groups"])
+def test_joined_tables_in_rollout_order_are_merged_batch_by_batch(
+    tmp_path, monkeypatch, case: str, batch_rows: int | None
+) -> None:
+    """Per-token tables in the kept order (the pipeline's case, here over 3 files each, with rows the stage
+    drops) are read a record batch at a time alongside scored_rollouts, never whole: the same table."""
+    cfg = _cfg(CASES[case])
+    up = _upstream(tmp_path, cfg.algorithm, in_order=True)
+    whole = _whole_frame_table(tmp_path, cfg, up)
+
+    def no_whole_read(self, columns):
+        raise AssertionError(f"{self.uri} read whole")
+
+    monkeypatch.setattr(Partition, "arrow", no_whole_read)
+    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=batch_rows)
+    assert run.mode == "streamed"
+    _assert_same(_read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), whole)
 
 
 def test_out_of_order_partition_with_group_filter_falls_back_to_the_whole_frame(tmp_path) -> None:
