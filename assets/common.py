@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import dagster as dg
 import pandas as pd
 
+from configs.schema import RunConfig
 from stages.dag import SETUP, STAGES, TABLES
 from stages.io import store
 from stages.io.checkpoints import checkpoint_row
@@ -84,7 +85,7 @@ def checkpoint_version(kind: str, version: int, context) -> dg.DataVersion:
     return dg.DataVersion(f"{kind}_v{version}@run:{context.run_id[:8]}")
 
 
-def outside_dag(cfg, name: str, checks: tuple[str, ...] = ()) -> dg.MaterializeResult | None:
+def outside_dag(cfg: RunConfig, name: str, checks: tuple[str, ...] = ()) -> dg.MaterializeResult | None:
     """None when a run with `cfg` has stage `name` (stages/dag.py `when`); else what the asset returns instead
     of computing: the iteration job holds every stage, and a stage the launched config does not use (the
     critic's without GAE, ref_logprobs without KL, judgements without a judge) writes nothing."""
@@ -99,7 +100,9 @@ def outside_dag(cfg, name: str, checks: tuple[str, ...] = ()) -> dg.MaterializeR
     )
 
 
-def lineage(cfg, *, stage: str, policy_version: int | None, upstream: dict[str, int | None], duration_s: float) -> dict:
+def lineage(
+    cfg: RunConfig, *, stage: str, policy_version: int | None, upstream: dict[str, int | None], duration_s: float
+) -> dict:
     """Commit metadata every table write carries (run id, iteration and code version are added by the store)."""
     sources = {t: getattr(v, "source", "newest") for t, v in upstream.items()}
     return {
@@ -197,7 +200,7 @@ def read_if(
 
 def write_table(
     rollout_store,
-    cfg,
+    cfg: RunConfig,
     table: str,
     df: pd.DataFrame,
     iteration: int,
@@ -216,7 +219,7 @@ def write_table(
 
 
 def record_checkpoint(
-    rollout_store, cfg, manifest: dict, iteration: int, *, upstream: dict, metrics: dict | None = None
+    rollout_store, cfg: RunConfig, manifest: dict, iteration: int, *, upstream: dict, metrics: dict | None = None
 ) -> int:
     """The `checkpoints` table row of a commit (stages.io.checkpoints) in partition (run, iteration), with the
     writing stage's lineage (the table versions it read); rows of other checkpoints of the partition are kept
@@ -274,7 +277,7 @@ def timed():
 
 
 def model_logprob_table(
-    context, cfg, rollout_store, model_store, ray, *, table: str, model_version: int, compute
+    context, cfg: RunConfig, rollout_store, model_store, ray, *, table: str, model_version: int, compute
 ) -> tuple[pd.DataFrame, pd.DataFrame, int, float]:
     """The body of the assets that run a checkpoint over an iteration's rollouts (ref_logprobs, old_logprobs):
     read the rollouts at their recorded version, require policy version `model_version` of the run, compute

@@ -16,6 +16,7 @@ from assets.common import (
     write_table,
 )
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
+from configs.schema import RunConfig
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.initial_policy import create_initial_policy
 from stages.io.checkpoints import checkpoint_target
@@ -89,7 +90,7 @@ def initial_policy(
     )
 
 
-def commit_initial_policy(cfg, rows: pd.DataFrame, rollout_store, model_store, prompts_version: int):
+def commit_initial_policy(cfg: RunConfig, rows: pd.DataFrame, rollout_store, model_store, prompts_version: int):
     """(ModelStore, metadata, manifest): policy version 0 with its trainer_state.json committed (a
     re-materialization retracts the committed one first) and recorded in the `checkpoints` table."""
     ms, train = model_store.for_run(cfg.run_id), rows[rows["split"] == "train"]

@@ -23,6 +23,7 @@ from assets.common import (
     write_table,
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
+from configs.schema import RunConfig
 from stages.advantage import uses_adaptive_kl
 from stages.advantage_stream import Upstream, stream_advantages
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
@@ -83,7 +84,7 @@ def reward_metadata(summary) -> dict:
     }
 
 
-def score_streaming(context, cfg, rollout_store: RolloutStoreResource, it: int):
+def score_streaming(context, cfg: RunConfig, rollout_store: RolloutStoreResource, it: int):
     """(new version, SUMMARY columns): rule/custom rewards on the stage executor (stages/io/stage_exec.py),
     the rollouts partition read at its recorded version batch by batch, ONE commit of scored_rollouts."""
     version = upstream_version(context, rollout_store, "rollouts", cfg.run_id, it)
@@ -105,7 +106,7 @@ def score_streaming(context, cfg, rollout_store: RolloutStoreResource, it: int):
     return run.version, summary
 
 
-def score_in_memory(context, cfg, rollout_store: RolloutStoreResource, it: int):
+def score_in_memory(context, cfg: RunConfig, rollout_store: RolloutStoreResource, it: int):
     """(new version, SUMMARY columns): rule rewards combined with a reward model's or a judge's scores, the
     partition in memory (the reward-model and judge groups take whole frames)."""
     df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
@@ -161,7 +162,7 @@ def advantages(
     return advantages_result(cfg, run)
 
 
-def advantages_result(cfg, run) -> dg.MaterializeResult:
+def advantages_result(cfg: RunConfig, run) -> dg.MaterializeResult:
     """The advantages asset's metadata and finite check, from the stage's per-row SUMMARY columns."""
     adv = run.summary
     finite = bool(np.isfinite(adv["advantage"]).all())

@@ -23,6 +23,7 @@ from assets.common import (
     write_table,
 )
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource, TrackerResource
+from configs.schema import RunConfig
 from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io.checkpoints import checkpoint_target
@@ -167,7 +168,9 @@ def iteration_metrics(
     )
 
 
-def measure_iteration(context, cfg, rollout_store, model_store, ray) -> tuple[dict[str, float], dict | None, dict]:
+def measure_iteration(
+    context, cfg: RunConfig, rollout_store, model_store, ray
+) -> tuple[dict[str, float], dict | None, dict]:
     """(the iteration's metrics, its validation rollouts or None, the table versions read): the iteration_metrics
     stage over the iteration's recorded partitions, the updates' recorded metrics, the stages' timings and, when
     it validates, the validation of the new policy."""
@@ -188,7 +191,9 @@ def measure_iteration(context, cfg, rollout_store, model_store, ray) -> tuple[di
     return m | val_metrics, val, read_versions
 
 
-def validation(context, cfg, rollout_store, ms, ray, it: int, new_dir) -> tuple[dict | None, dict[str, float]]:
+def validation(
+    context, cfg: RunConfig, rollout_store, ms, ray, it: int, new_dir
+) -> tuple[dict | None, dict[str, float]]:
     """(validation rollouts by sampling mode, their val-core metrics and timing_s/testing: the seconds it took)
     when iteration `it`'s new policy is validated (stages.metrics.validates), else (None, {})."""
     if not validates(cfg, it):

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from configs.errors import load_run_config
-from configs.schema import load_config
+from configs.schema import RunConfig, load_config
 from pipelines.logs import quiet_env, report_failure, route_framework_logs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def _quiet_env() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _check_reward_file(cfg) -> None:
+def _check_reward_file(cfg: RunConfig) -> None:
     """A broken reward.custom_reward_function file (missing, import error, no such function, wrong signature)
     fails here, in about a second: before torch, Ray and Dagster are imported (preflight checks the rest)."""
     quiet_env()  # the reward file runs now: libraries it imports read these once

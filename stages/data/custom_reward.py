@@ -36,7 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: this module imports the standard library alone (check_custom_reward)
+    from configs.schema import CustomRewardFunctionConfig
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 """The keyword arguments of every call (verl's compute_score)."""
@@ -103,7 +106,7 @@ class CustomReward:
         return fn
 
 
-def read_custom_reward(cfg) -> CustomReward | None:
+def read_custom_reward(cfg: CustomRewardFunctionConfig) -> CustomReward | None:
     """The configured function's source, read here (on the driver); None when reward.custom_reward_function.path
     is unset. cfg: a CustomRewardFunctionConfig."""
     if not cfg.path:
@@ -175,7 +178,7 @@ def load_custom_reward(reward: CustomReward) -> Callable[..., Any]:
     return fn
 
 
-def check_custom_reward(cfg) -> CustomReward | None:
+def check_custom_reward(cfg: CustomRewardFunctionConfig) -> CustomReward | None:
     """Read and load the configured reward file (cfg: a CustomRewardFunctionConfig) as the workers will: a
     missing file, an import error, a missing function or a wrong signature is a what / why / fix error.
     Needs nothing but the standard library, so `rlake train` runs it before importing torch, Ray or Dagster:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
+from configs.schema import SyntheticTaskConfig
 from stages import seeds
 from stages.data.rewards import canonical_ground_truth
 from stages.data.tool_arith import generate_tool_arith_task
@@ -39,7 +40,7 @@ def make_arith_rows(pairs: list[tuple[int, str, int]], split: str) -> list[dict]
     return rows
 
 
-def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
+def generate_arith_task(out_dir: str | Path, cfg: SyntheticTaskConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet (disjoint operand pairs); returns their paths.
 
     cfg: configs.schema.SyntheticTaskConfig.
@@ -64,7 +65,7 @@ def generate_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def generate_synthetic_task(out_dir: str | Path, cfg) -> tuple[str, str]:
+def generate_synthetic_task(out_dir: str | Path, cfg: SyntheticTaskConfig) -> tuple[str, str]:
     """The configured synthetic task (cfg.task: addition | word_problems | tool_arithmetic) as train/val parquet
     paths."""
     if cfg.task == "word_problems":

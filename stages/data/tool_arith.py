@@ -20,6 +20,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from configs.schema import SyntheticTaskConfig
+
 TOOL_ARITH_SOURCE = "rlake/tool_arith"
 CALCULATOR = "calculator"
 INSTRUCTION = "Use the calculator."
@@ -84,7 +86,7 @@ def make_tool_arith_row(a: int, b: int, *, split: str, index: int, system: str |
     }
 
 
-def generate_tool_arith_task(out_dir: str | Path, cfg) -> tuple[str, str]:
+def generate_tool_arith_task(out_dir: str | Path, cfg: SyntheticTaskConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet (no operand pair in both, in either order); returns their paths.
 
     cfg: configs.schema.SyntheticTaskConfig (num_train, num_val, operand_digits, tool_schema_path, seed).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from configs.schema import SyntheticTaskConfig
 from stages import seeds
 
 WORD_PROBLEM_SOURCE = "rlake/gsm8k_synth"
@@ -192,7 +193,7 @@ def sample_problems(
     )
 
 
-def generate_word_problem_task(out_dir: str | Path, cfg) -> tuple[str, str]:
+def generate_word_problem_task(out_dir: str | Path, cfg: SyntheticTaskConfig) -> tuple[str, str]:
     """Write train.parquet and val.parquet (no shared question); returns their paths.
 
     cfg: configs.schema.SyntheticTaskConfig (num_train, num_val, max_operand, max_steps, fewshot, seed).

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from configs.schema import RunConfig
 from stages.io import checkpoint_cache, objects, uris
 from stages.io.checkpoint_cache import cache_name as _cache_name
 from stages.io.checkpoint_files import (  # noqa: F401 - re-exported: callers import them from here
@@ -109,7 +110,7 @@ class ModelStore:
         """Versions per run and kind this node's cache keeps (storage.cache_keep_versions; v0 always)."""
 
     @classmethod
-    def for_config(cls, cfg, run_id: str | None = None) -> ModelStore:
+    def for_config(cls, cfg: RunConfig, run_id: str | None = None) -> ModelStore:
         """The run's store from storage.root / storage.options / storage.cache_dir."""
         root = uris.checkpoints_root(cfg)
         s = cfg.storage

@@ -54,7 +54,7 @@ def build_char_tokenizer(tool_tokens: bool = False):  # -> transformers.PreTrain
     return fast
 
 
-def _tiny_config(cfg, vocab_size: int, **extra) -> Qwen2Config:  # cfg: configs.schema.TinyModelConfig
+def _tiny_config(cfg: TinyModelConfig, vocab_size: int, **extra) -> Qwen2Config:
     """The tiny Qwen2's config (pad <pad> = 0, eos <eos> = 1 of the char tokenizer, no bos)."""
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -72,13 +72,13 @@ def _tiny_config(cfg, vocab_size: int, **extra) -> Qwen2Config:  # cfg: configs.
     )
 
 
-def build_tiny_model(cfg, vocab_size: int, seed: int = 0):  # cfg: configs.schema.TinyModelConfig
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int = 0):
     """A randomly initialised tiny Qwen2ForCausalLM."""
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(_tiny_config(cfg, vocab_size))
 
 
-def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, cfg=None) -> Path:
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0, cfg: TinyModelConfig | None = None) -> Path:
     """Write a randomly initialised tiny reward model to out_dir: a Qwen2ForSequenceClassification with one
     label (the tiny policy's architecture, cfg: a TinyModelConfig, default its defaults) and the char
     tokenizer, pad_token_id set (HF reads the score at the last non-pad token). No hub; the same seed
@@ -100,7 +100,7 @@ Segment = tuple[list[int] | str, bool]
 
 
 def warmstart_sft(
-    model, tokenizer, examples: list[tuple[list[dict], str | list[Segment]]], cfg, seed: int = 0
+    model, tokenizer, examples: list[tuple[list[dict], str | list[Segment]]], cfg: TinyModelConfig, seed: int = 0
 ) -> list[float]:
     """Supervised warm start: next-token loss on the response only. Returns per-step losses.
 

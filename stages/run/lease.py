@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from configs.schema import RunConfig
 from stages.io import objects, uris
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_config(cls, cfg, **kwargs) -> RunLease:
+    def for_config(cls, cfg: RunConfig, **kwargs) -> RunLease:
         """The lease of cfg's run under storage.root (else trainer.output_dir) with storage.options."""
         return cls(uris.storage_root(cfg), cfg.run_id, uris.storage_options(cfg), **kwargs)
 

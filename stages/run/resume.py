@@ -26,6 +26,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
+from configs.schema import RunConfig
 from stages import seeds
 from stages.io import objects, uris
 from stages.io.checkpoints import ModelStore, atomic_write_text
@@ -62,7 +63,7 @@ class ResumePlan:
     """One log line saying what was decided and why."""
 
 
-def resume_hash(cfg) -> str:
+def resume_hash(cfg: RunConfig) -> str:
     """12-hex hash of everything that determines an iteration's result (cfg minus RUN_CONTROL_FIELDS)."""
     data = cfg.model_dump(mode="json")
     for key in RUN_CONTROL_FIELDS:
@@ -70,7 +71,7 @@ def resume_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def cursor_batch_size(cfg) -> int:
+def cursor_batch_size(cfg: RunConfig) -> int:
     """Prompts the epoch cursor advances per iteration (gen_batch_size under DAPO's filter_groups)."""
     fg = getattr(cfg.algorithm, "filter_groups", None)
     if fg is not None and fg.enable:
@@ -78,7 +79,7 @@ def cursor_batch_size(cfg) -> int:
     return cfg.data.train_batch_size
 
 
-def trainer_state(cfg, run_id: str, version: int, num_train_prompts: int) -> dict:
+def trainer_state(cfg: RunConfig, run_id: str, version: int, num_train_prompts: int) -> dict:
     """The state saved next to checkpoint policy_v<version>: the input of iteration `version`."""
     position = version * cursor_batch_size(cfg)
     return {
@@ -99,7 +100,7 @@ def trainer_state(cfg, run_id: str, version: int, num_train_prompts: int) -> dic
     }
 
 
-def trainer_state_files(cfg, version: int, num_train_prompts: int) -> dict[str, str]:
+def trainer_state_files(cfg: RunConfig, version: int, num_train_prompts: int) -> dict[str, str]:
     """{STATE_FILE: text} of trainer_state(...) for run cfg.run_id: committed with checkpoint policy_v<version> by
     the asset that writes it (initial_policy, policy_checkpoint), so a run from `rlake train` and an iteration
     launched from the Dagster UI leave the same state, inside the checkpoint's one commit."""
@@ -113,7 +114,7 @@ def write_trainer_state(policy_dir: str | Path, state: dict) -> Path:
     return atomic_write_text(Path(policy_dir) / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
 
 
-def save_trainer_state(cfg, policy_dir: str | Path, version: int, num_train_prompts: int) -> Path:
+def save_trainer_state(cfg: RunConfig, policy_dir: str | Path, version: int, num_train_prompts: int) -> Path:
     """Write trainer_state(...) next to checkpoint policy_v<version> of run cfg.run_id. The one driver of it:
     the asset that wrote the checkpoint calls it (initial_policy, policy_checkpoint), so a run from
     `rlake train` and an iteration launched from the Dagster UI leave the same state file."""
@@ -190,7 +191,7 @@ def _committed_at(ms: ModelStore, version: int) -> float:
     return (ms.policy_dir(version) / STATE_FILE).stat().st_mtime if ms.local else 0.0
 
 
-def check_trainer_state(state: dict | None, cfg, policy_dir: Path, version: int) -> None:
+def check_trainer_state(state: dict | None, cfg: RunConfig, policy_dir: Path, version: int) -> None:
     """A resume from policy_dir must continue the same computation: same resume hash, same iteration."""
     if state is None:
         return  # killed between the checkpoint and its state file: the Delta tables decided the point
@@ -270,7 +271,7 @@ def check_architecture(ckpt_dir: str | Path, model_cfg) -> None:
 
 
 # long: one decision table (disable / fresh / resumable / done / resume), each case a return with its reason
-def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan:
+def plan_resume(cfg: RunConfig, run_id: str | None, total: int | None = None) -> ResumePlan:
     """Decide where `rlake train` starts. run_id: --run-id or trainer.run_id (None: not given);
     total: iterations the run should reach (default trainer.total_training_steps)."""
     ckpt_root, metrics_uri = uris.checkpoints_root(cfg), uris.join(uris.tables_root(cfg), "iteration_metrics")
@@ -335,7 +336,7 @@ def plan_resume(cfg, run_id: str | None, total: int | None = None) -> ResumePlan
     )
 
 
-def _plan_from_path(cfg, run_id: str | None, ckpt_root: Path, total: int) -> ResumePlan:
+def _plan_from_path(cfg: RunConfig, run_id: str | None, ckpt_root: Path, total: int) -> ResumePlan:
     path = Path(cfg.trainer.resume_from_path).resolve()
     m = _VERSION_DIR.match(path.name)
     if not path.is_dir() or m is None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from configs.schema import RolloutCorrectionConfig
 from stages.algos.kl import compute_kl_penalty
 from stages.algos.losses import GlobalBatch, aggregate_loss, entropy_from_logits, gather_logprobs, get_policy_loss_fn
 from stages.algos.rollout_is import batch_normalize_weights, compute_rollout_correction, rollout_is_norm_terms
@@ -183,7 +184,9 @@ def accumulate_grads(
     fold_minibatch(metrics, micro_metrics)
 
 
-def apply_rollout_correction(batch: dict, cfg, *, dp_size: int = 1, group=None) -> dict[str, float]:
+def apply_rollout_correction(
+    batch: dict, cfg: RolloutCorrectionConfig | None, *, dp_size: int = 1, group=None
+) -> dict[str, float]:
     """verl's decoupled rollout correction (algorithm.rollout_correction; stages.algos.rollout_is) of this rank's
     padded batch, in place, once before the optimizer steps: from its old_logprobs and the engine's
     rollout_logprobs (N, L), batch["rollout_is_weights"] (N, L) for rollout_is, and for rollout_rs the
