@@ -49,6 +49,8 @@ from typing import Any
 import psutil
 import ray
 
+from configs.schema import RunConfig
+
 log = logging.getLogger(__name__)
 
 NO_RUN = "-"
@@ -260,7 +262,7 @@ def ensure_ray(
         ray.init(address="local", num_cpus=num_cpus, runtime_env=env, _node_ip_address="127.0.0.1", **kwargs)
 
 
-def ensure_ray_for(cfg) -> None:
+def ensure_ray_for(cfg: RunConfig) -> None:
     """ensure_ray with run config `cfg`'s ray.* and run id: what every driver-side entry point (a stage, replay,
     the CLI) calls, so a cluster run's workers get its runtime_env (forwarded credentials) and placement."""
     ensure_ray(
