@@ -26,10 +26,10 @@ from stages import seeds
 from stages.io.checkpoints import model_version
 from stages.models.engines import SamplingSpec
 from stages.models.policy import encode_chat, load_tokenizer
-from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.group import WorkerGroup, engine_threads, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
-from stages.workers.tasks import split_frame
+from stages.workers.sharded import local_group, sharded_call
 
 JUDGE_COLUMNS = ("judge_score", "judge_error")
 """What the judge adds to each scored_rollouts row."""
@@ -109,19 +109,16 @@ def judge_rollouts(
         seed=seeds.judge(cfg.rollout.seed, iteration),
         greedy=judge.temperature == 0.0,
     )
-    if use_ray:
-        shards = split_frame(batch, min(judge.num_workers, len(batch)))
-        parts = call_with_retry(
-            lambda: judge_group(judge, cfg.rollout.name, GpuPool.of(cfg.trainer), cfg.rollout.gpu_memory_utilization),
-            lambda g: g.call_each(RolloutWorker.generate, [(judge.model_path, s, spec) for s in shards]),
-        )
-        out = pd.concat(parts, ignore_index=True)
-    else:
-        worker = RolloutWorker(0, 1, engine_threads(1), engine=cfg.rollout.name)
-        try:
-            out = worker.generate(judge.model_path, batch, spec)
-        finally:
-            worker.close()
+    out = sharded_call(
+        lambda: (
+            judge_group(judge, cfg.rollout.name, GpuPool.of(cfg.trainer), cfg.rollout.gpu_memory_utilization)
+            if use_ray
+            else local_group(RolloutWorker, engine_threads(1), engine=cfg.rollout.name)
+        ),
+        RolloutWorker.generate,
+        batch,
+        lambda shard: (judge.model_path, shard, spec),
+    )
     verdicts = dict(zip(out["prompt_id"], out["response_text"], strict=True))
     parsed = [parse_verdict(verdicts[int(rid)], judge.score_regex) for rid in rows["rollout_id"]]
     return pd.DataFrame(

@@ -30,9 +30,8 @@ from stages.algos.probs_diff import rollout_probs_diff
 from stages.train.batching import logprob_temperature, loss_mask, ragged_to_padded, row_masks
 from stages.update import actor_workers
 from stages.workers.actor_worker import ActorWorker
-from stages.workers.group import call_with_retry
 from stages.workers.placement import CPU_ONLY, GpuPool
-from stages.workers.tasks import split_frame
+from stages.workers.sharded import local_group, sharded_call
 
 WORKER_COLUMNS = ["rollout_id", "policy_version", "prompt_token_ids", "response_token_ids"]
 """What the workers get of the rollouts (not the texts)."""
@@ -68,30 +67,23 @@ def compute_old_logprobs(
     if not len(rollouts):
         raise ValueError("compute_old_logprobs got no rollouts: the rollouts partition is empty")
     rows = rollouts[WORKER_COLUMNS]
-    if use_ray:
-        parts = call_with_retry(
-            lambda: actor_workers(actor, gpus=gpus),
-            lambda g: g.call_each(
-                ActorWorker.compute_log_prob,
-                [(policy_dir, shard, actor, temperature) for shard in rank_shards(rows, g.num_workers)],
-            ),
-        )
-        out = pd.concat(parts, ignore_index=True)
-    else:
-        worker = ActorWorker(0, 1, torch.get_num_threads(), strategy=actor.strategy)
-        out = worker.compute_log_prob(policy_dir, rows, actor, temperature)
+    out = sharded_call(
+        lambda: (
+            actor_workers(actor, gpus=gpus)
+            if use_ray
+            else local_group(ActorWorker, torch.get_num_threads(), strategy=actor.strategy)
+        ),
+        ActorWorker.compute_log_prob,
+        rows,
+        lambda shard: (policy_dir, shard, actor, temperature),
+        every_rank=True,
+    )
     out = out.sort_values("rollout_id").reset_index(drop=True)
     engine, masks = engine_logprobs_and_masks(rollouts, out["rollout_id"])
     if not (out["old_logprobs"].map(len).to_numpy() == np.asarray([len(e) for e in engine])).all():
         raise AssertionError("old log-probs and response lengths differ: an actor rank returned rows of other rollouts")
     _, row_max, row_mean = probs_gap(out["old_logprobs"].tolist(), engine, masks)
     return out.assign(rollout_probs_diff_max=row_max.numpy(), rollout_probs_diff_mean=row_mean.numpy())
-
-
-def rank_shards(rows: pd.DataFrame, ranks: int) -> list[pd.DataFrame]:
-    """`ranks` contiguous shards of rows (split_frame), the last ones empty when rows are fewer than ranks."""
-    shards = split_frame(rows, ranks)
-    return shards + [rows.iloc[0:0]] * (ranks - len(shards))
 
 
 def engine_logprobs_and_masks(rollouts: pd.DataFrame, rollout_ids) -> tuple[list, list[list[int] | None] | None]:

@@ -19,10 +19,11 @@ import torch
 
 from configs.schema import RunConfig
 from stages.train.batching import logprob_temperature
-from stages.workers.group import call_with_retry, engine_threads, worker_group
+from stages.workers.group import engine_threads, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.ref_worker import RefWorker
-from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
+from stages.workers.sharded import local_group, sharded_call
+from stages.workers.tasks import MAX_ACTOR_RESTARTS
 
 REF_POLICY_VERSION = 0
 """verl's reference policy is the initial actor; in rlake that is policy version 0 of the run."""
@@ -73,17 +74,18 @@ def compute_ref_logprobs(
         "param_dtype": param_dtype,
         "max_token_len": max_token_len,
     }
-    if use_ray:
-        workers = max(1, min(num_workers, len(rollouts)))
-        shards = split_frame(rollouts, workers)
-        parts = call_with_retry(
-            lambda: worker_group(RefWorker, role, workers, threads=engine_threads(workers), gpus=gpus, **kwargs),
-            lambda g: g.call_each(RefWorker.compute_ref_log_prob, [(shard,) for shard in shards]),
-            retries=MAX_ACTOR_RESTARTS,
-        )
-        out = pd.concat(parts, ignore_index=True)
-    else:
-        out = RefWorker(0, 1, torch.get_num_threads(), **kwargs).compute_ref_log_prob(rollouts)
+    workers = max(1, min(num_workers, len(rollouts)))
+    out = sharded_call(
+        lambda: (
+            worker_group(RefWorker, role, workers, threads=engine_threads(workers), gpus=gpus, **kwargs)
+            if use_ray
+            else local_group(RefWorker, torch.get_num_threads(), **kwargs)
+        ),
+        RefWorker.compute_ref_log_prob,
+        rollouts,
+        lambda shard: (shard,),
+        retries=MAX_ACTOR_RESTARTS,
+    )
     out = out.sort_values("rollout_id").reset_index(drop=True)
     lengths = rollouts.set_index("rollout_id").loc[out["rollout_id"], "response_length"].to_numpy()
     if not (out["ref_logprobs"].map(len).to_numpy() == np.asarray(lengths)).all():

@@ -38,10 +38,11 @@ from stages.io.checkpoints import model_version
 from stages.models.policy import load_tokenizer
 from stages.models.smollm2 import resolve_model_path
 from stages.models.tiny import build_char_tokenizer
-from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, worker_group
+from stages.workers.group import WorkerGroup, engine_threads, worker_group
 from stages.workers.placement import GpuPool
 from stages.workers.reward_model_worker import RewardModelWorker
-from stages.workers.tasks import MAX_ACTOR_RESTARTS, split_frame
+from stages.workers.sharded import local_group, sharded_call
+from stages.workers.tasks import MAX_ACTOR_RESTARTS
 
 ROLE = "reward_model"
 """The worker group's role (its actors are named rlake:reward_model:<build>:<rank>)."""
@@ -124,17 +125,18 @@ def reward_model_scores(cfg: RunConfig, rollouts: pd.DataFrame, *, use_ray: bool
     if not len(rollouts):
         raise ValueError("reward_model_scores got no rollouts: the rollouts partition is empty")
     kwargs = _worker_kwargs(cfg)
-    if use_ray:
-        workers = max(1, min(cfg.rollout.num_workers, len(rollouts)))
-        shards = split_frame(rollouts, workers)
-        parts = call_with_retry(
-            lambda: reward_model_group(cfg, workers, kwargs),
-            lambda g: g.call_each(RewardModelWorker.compute_rm_score, [(shard,) for shard in shards]),
-            retries=MAX_ACTOR_RESTARTS,
-        )
-        out = pd.concat(parts, ignore_index=True)
-    else:
-        out = RewardModelWorker(0, 1, torch.get_num_threads(), **kwargs).compute_rm_score(rollouts)
+    workers = max(1, min(cfg.rollout.num_workers, len(rollouts)))
+    out = sharded_call(
+        lambda: (
+            reward_model_group(cfg, workers, kwargs)
+            if use_ray
+            else local_group(RewardModelWorker, torch.get_num_threads(), **kwargs)
+        ),
+        RewardModelWorker.compute_rm_score,
+        rollouts,
+        lambda shard: (shard,),
+        retries=MAX_ACTOR_RESTARTS,
+    )
     bad = out.loc[~np.isfinite(out["rm_score"].to_numpy(dtype=np.float64)), "rollout_id"].tolist()
     if bad:
         raise ValueError(

@@ -25,10 +25,10 @@ from stages.io.checkpoints import checkpoint_id, ref_checkpoint_id
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
 from stages.tools import resolve_tool_config
-from stages.workers.group import WorkerGroup, call_with_retry, engine_threads, existing_workers, worker_group
+from stages.workers.group import WorkerGroup, engine_threads, existing_workers, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
-from stages.workers.tasks import split_frame
+from stages.workers.sharded import LocalGroup, local_group, sharded_call
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,10 @@ def rollout_group(rollout_cfg: RolloutConfig, gpus: GpuPool = CPU_ONLY) -> Worke
     )
 
 
-def local_rollout_worker(rollout_cfg: RolloutConfig) -> RolloutWorker:
-    """A RolloutWorker in this process (use_ray=False), owned by the caller."""
-    return RolloutWorker(
-        0,
-        1,
+def local_rollout_group(rollout_cfg: RolloutConfig) -> LocalGroup:
+    """One RolloutWorker in this process (use_ray=False), closed after its call (stages.workers.sharded)."""
+    return local_group(
+        RolloutWorker,
         engine_threads(rollout_cfg.num_workers),
         engine=rollout_cfg.name,
         micro_batch_size=rollout_cfg.micro_batch_size,
@@ -110,39 +109,28 @@ def generate_rollouts(
     greedy: bool = False,
     n: int | None = None,
     use_ray: bool = True,
-    local_worker: RolloutWorker | None = None,
     gpus: GpuPool = CPU_ONLY,
     ask_trainer: bool = True,
 ) -> pd.DataFrame:
     """Generate over prompt_batch (prompt_id, prompt_token_ids, ...); one row per (prompt, sample) with
     rollout_id = position in (prompt_id, sample_index) order.
 
-    With use_ray, contiguous shards go to the ranks of the "rollout" group (a killed worker: the group is
-    rebuilt and the call retried once); else `local_worker` generates in this process (a fresh one,
-    closed afterwards, when none is given). gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default
-    is a CPU run. ask_trainer=False: the engines load the committed checkpoint instead of asking the trainer's
-    rank 0 for published weights (one_step_off: that rank is busy with the next update, and Ray runs an actor's
-    calls one at a time, so asking would wait for the update and undo the overlap)."""
+    Contiguous shards go to the ranks of the "rollout" group (a killed worker: the group is rebuilt and the call
+    retried once); use_ray=False: to one RolloutWorker in this process, closed afterwards (local_rollout_group).
+    gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default is a CPU run. ask_trainer=False: the engines
+    load the committed checkpoint instead of asking the trainer's rank 0 for published weights (one_step_off: that
+    rank is busy with the next update, and Ray runs an actor's calls one at a time, so asking would wait for the
+    update and undo the overlap)."""
     spec = sampling_from_config(rollout_cfg, max_tokens, seed=seed, greedy=greedy, n=n)
     mt = resolved_multi_turn(rollout_cfg)
-    if use_ray:
-        shards = split_frame(prompt_batch, min(rollout_cfg.num_workers, len(prompt_batch)))
-        weights = published_weights(model_dir) if ask_trainer and rollout_cfg.weight_sync == "object_store" else []
-        parts = call_with_retry(
-            lambda: rollout_group(rollout_cfg, gpus),
-            lambda g: g.call_each(
-                RolloutWorker.generate, [(model_dir, shard, spec, mt, True, weights) for shard in shards]
-            ),
-        )
-        out = pd.concat(parts, ignore_index=True)
-    elif local_worker is not None:
-        out = local_worker.generate(model_dir, prompt_batch, spec, mt)
-    else:
-        worker = local_rollout_worker(rollout_cfg)
-        try:
-            out = worker.generate(model_dir, prompt_batch, spec, mt)
-        finally:
-            worker.close()
+    object_store = use_ray and ask_trainer and rollout_cfg.weight_sync == "object_store"
+    weights = published_weights(model_dir) if object_store else []
+    out = sharded_call(
+        lambda: rollout_group(rollout_cfg, gpus) if use_ray else local_rollout_group(rollout_cfg),
+        RolloutWorker.generate,
+        prompt_batch,
+        lambda shard: (model_dir, shard, spec, mt, use_ray, weights),
+    )
     out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)
     out["rollout_id"] = range(len(out))
     return out
