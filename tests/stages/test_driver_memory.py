@@ -1,10 +1,10 @@
-"""The Dagster step's memory on the reward path does not grow with the partition (#36): scored_rollouts streams
-the rollouts partition through the stage executor (stages/io/stage_exec.py) instead of reading it whole.
+"""The Dagster steps' memory on the reward -> advantages path does not grow with the partition (#36):
+scored_rollouts streams the rollouts partition through the stage executor (stages/io/stage_exec.py), and the
+advantages step streams scored_rollouts and joins old_logprobs batch by batch (stages/advantage_stream.py)
+instead of reading them whole.
 
 Real Delta tables under tmp_path; each measurement runs in a fresh subprocess (ru_maxrss only ever grows, so a
-process measures one size). The advantages step streams too (stages/advantage_stream.py) but still holds the
-joined old_logprobs column of the partition (its peak grows ~390 MB from 10k to 100k rollouts, bench/scale.py):
-its growth is measured by the bench, not asserted here.
+process measures one size), which runs both steps as the assets do, one after the other.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _rollouts(n: int, seed: int) -> pd.DataFrame:
 
 
 def _measure(tables: Path, iteration: int) -> float:
-    """MB the child's peak RSS grew while scoring partition `iteration`, after a 16-row warm-up run."""
+    """MB the child's peak RSS grew over partition `iteration`'s two steps, after a 16-row warm-up run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, __file__, str(tables), str(iteration)]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -67,40 +67,58 @@ def _measure(tables: Path, iteration: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["growth_mb"]
 
 
-def test_reward_step_peak_rss_does_not_grow_with_the_partition(tmp_path) -> None:
+def _old_logprobs(rollouts: pd.DataFrame) -> pd.DataFrame:
+    """The old_logprobs rows of `rollouts` as the old_logprobs stage writes them (engine log-probs + noise)."""
+    rng = np.random.default_rng(7)
+    old = [lp + rng.normal(0, 0.01, len(lp)).astype(np.float32) for lp in rollouts["rollout_logprobs"]]
+    return pd.DataFrame({"rollout_id": rollouts["rollout_id"], "policy_version": 0, "old_logprobs": old}).assign(
+        rollout_probs_diff_max=0.01, rollout_probs_diff_mean=0.005
+    )
+
+
+def test_reward_and_advantages_steps_peak_rss_does_not_grow_with_the_partition(tmp_path) -> None:
     from stages.io import store
 
     tables = tmp_path / "tables"
     for it, n in SIZES.items():
-        store.write_partition(
-            str(tables / "rollouts"), "rollouts", _rollouts(n, it), run_id=RUN, iteration=it, lineage={}
-        )
+        rollouts = _rollouts(n, it)
+        store.write_partition(str(tables / "rollouts"), "rollouts", rollouts, run_id=RUN, iteration=it, lineage={})
+        olds = _old_logprobs(rollouts)
+        store.write_partition(str(tables / "old_logprobs"), "old_logprobs", olds, run_id=RUN, iteration=it, lineage={})
     small, large = _measure(tables, 0), _measure(tables, 1)
-    # Streamed, the step holds one batch (BATCH_ROWS = 1000 in the child) in and out, whatever the partition's
-    # size, so 1k and 20k rows peak alike (measured: 0 MB above the warm-up's peak at both). Read whole, as before
-    # the executor (read_partition + score_rollouts + write_partition), the same child grew 0 MB at 1k and 242 MB
-    # at 20k. The bound, 1.5x the 1k growth plus 40 MB (pyarrow's pool keeping freed buffers, one-off caches),
-    # passes the first and fails the second.
+    # Streamed, each step holds one batch (BATCH_ROWS = 1000 in the child) in and out, whatever the partition's
+    # size, so 1k and 20k rows peak alike: measured 0 MB above the warm-up's peak at both sizes for the two steps.
+    # The advantages step on the whole frame instead (stages.advantage_stream.whole_frame, what it was before it
+    # streamed) made the same child grow 0 MB at 1k and 992 MB at 20k; the reward step read whole (read_partition
+    # + score_rollouts + write_partition) grew 242 MB at 20k on its own. The bound, 1.5x the 1k growth plus 40 MB
+    # (pyarrow's pool keeping freed buffers, one-off caches), passes the streamed steps and fails either whole one.
     assert large <= 1.5 * small + 40, f"peak RSS grew {large:.0f} MB at 20k rows against {small:.0f} MB at 1k"
 
 
 def _child(tables: str, iteration: int) -> None:
-    """Score the warm-up partition, then `iteration`'s, as the scored_rollouts asset does; print the growth."""
-    from configs.schema import RewardConfig
+    """Score the warm-up partition and compute its advantages, then `iteration`'s, as the scored_rollouts and
+    advantages assets do; print the peak RSS growth."""
+    from configs.schema import RewardConfig, RunConfig
+    from stages.advantage_stream import Upstream, stream_advantages
     from stages.io import stage_exec
     from stages.reward import score_partition
 
     stage_exec.BATCH_ROWS = 1000
-    src, dst = f"{tables}/rollouts", f"{tables}/scored_rollouts_{iteration}"
+    src, scored = f"{tables}/rollouts", f"{tables}/scored_rollouts_{iteration}"
 
-    def score(it: int) -> None:
-        score_partition(
-            RewardConfig(), src, dst, run_id=RUN, iteration=it, version=None, lineage={}, data_min_rows=None
+    def both_steps(it: int) -> None:
+        run = score_partition(
+            RewardConfig(), src, scored, run_id=RUN, iteration=it, version=None, lineage={}, data_min_rows=None
         )
+        up = Upstream(
+            stage_exec.Partition(scored, RUN, it, run.version),
+            old=stage_exec.Partition(f"{tables}/old_logprobs", RUN, it, None),
+        )
+        stream_advantages(RunConfig(), up, f"{tables}/advantages_{iteration}", lineage={}, batch_rows=1000)
 
-    score(2)
+    both_steps(2)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    score(iteration)
+    both_steps(iteration)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"growth_mb": after - before}))
 
