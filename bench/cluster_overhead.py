@@ -21,11 +21,17 @@ the counts say how many round trips an iteration makes whatever the box's load. 
 method and kind (a LIST, a Delta log commit, _last_checkpoint, a Delta checkpoint, table data, a model
 checkpoint, an MLflow artifact), MLflow requests by method and endpoint. The local run makes none (files and
 sqlite). The extra logging costs CPU: compare timings of runs with the same flag.
+
+--schedstat: the driver's main thread (where the in-process executor runs every step) is sampled every 10 ms
+from /proc/PID/task/PID/schedstat (ns on a CPU, ns runnable but waiting for one); per Dagster step and iteration
+its wall splits into CPU, run-queue wait (the box's other processes: on one box, the cluster's own servers and
+nodes) and off-CPU (blocked: S3, HTTP, Postgres, Ray GCS, sleeps). Linux only.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -53,8 +59,11 @@ def _sessions_at(samples: list[tuple[float, int]], t: float) -> int | None:
     return before[-1] if before else None
 
 
-def per_iteration(instance, metrics, run_id: str, samples: list[tuple[float, int]] | None = None) -> list[dict]:
-    """One row per iteration: wall, compute, overhead, the step breakdown, Postgres sessions opened."""
+def per_iteration(
+    instance, metrics, run_id: str, samples: list[tuple[float, int]] | None = None, sched: list | None = None
+) -> list[dict]:
+    """One row per iteration: wall, compute, overhead, the step breakdown, Postgres sessions opened, and with
+    `sched` (SchedSampler's samples) the driver main thread's CPU / run-queue / off-CPU seconds per step."""
     import dagster as dg
 
     from bench.overhead import TIMING_OF_STEP, _step_walls
@@ -75,6 +84,7 @@ def per_iteration(instance, metrics, run_id: str, samples: list[tuple[float, int
         asset = {s: w - timing.get(TIMING_OF_STEP.get(s, f"timing_s/{s}"), 0.0) for s, w in steps.items()}
         row = {
             "iteration": it,
+            "window": [start, record.end_time],  # epoch s: for samples taken outside (py-spy, /proc)
             "wall_s": record.end_time - start,
             "compute_s": compute,
             "overhead_s": record.end_time - start - compute,
@@ -85,6 +95,9 @@ def per_iteration(instance, metrics, run_id: str, samples: list[tuple[float, int
         if samples:
             a, b = _sessions_at(samples, start), _sessions_at(samples, record.end_time)
             row["pg_sessions"] = b - a if a is not None and b is not None else None
+        if sched:
+            spans = {"iteration": (start, record.end_time), **_step_spans(instance, run.run_id)}
+            row["sched"] = {k: sched_split(sched, a, b) for k, (a, b) in spans.items()}
         rows.append(row)
         prev_end = record.end_time
     return rows
@@ -207,13 +220,75 @@ class SessionSampler:
         return self.samples
 
 
+class SchedSampler:
+    """(time, ns on a CPU, ns waiting for a CPU) of the driver's main thread every 10 ms: the driver is the child
+    of this process running pipelines.cli (the cluster's: nsenter's, which execs it)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _driver() -> int | None:
+        for d in Path("/proc").iterdir():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == os.getpid() and b"pipelines.cli" in (d / "cmdline").read_bytes():
+                    return int(d.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        return None
+
+    def _loop(self) -> None:
+        pid = None
+        while not self._stop.is_set():
+            pid = pid or self._driver()
+            if pid is not None:
+                try:
+                    cpu, runq, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+                    self.samples.append((time.time(), int(cpu), int(runq)))
+                except OSError:
+                    pid = None  # ended
+            self._stop.wait(0.01)
+
+    def stop(self) -> list[tuple[float, int, int]]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.samples
+
+
+def sched_split(samples: list[tuple[float, int, int]], a: float, b: float) -> dict[str, float]:
+    """Seconds of window (a, b] the driver's main thread spent on a CPU, waiting for one, and off CPU (blocked)."""
+    times = [s[0] for s in samples]
+    i, j = max(bisect.bisect_right(times, a) - 1, 0), max(bisect.bisect_right(times, b) - 1, 0)
+    cpu, runq = (samples[j][1] - samples[i][1]) / 1e9, (samples[j][2] - samples[i][2]) / 1e9
+    return {"cpu_s": cpu, "runq_s": runq, "off_cpu_s": (b - a) - cpu - runq}
+
+
+def sched_table(local: dict, cluster: dict) -> str:
+    """Markdown: the driver main thread's CPU / run-queue / off-CPU seconds per step, means over iterations >= 1."""
+    lines = ["| driver main thread (mean, it >= 1) | local CPU / runq / off s | cluster CPU / runq / off s |"]
+    lines.append("|---|---|---|")
+    rows = [r for mode in (local, cluster) for r in mode["iterations"] if r["iteration"] > 0 and r.get("sched")]
+    for step in sorted({k for r in rows for k in r["sched"]}):
+        cells = []
+        for mode in (local, cluster):
+            v = [r["sched"][step] for r in mode["iterations"] if r["iteration"] > 0 and step in r.get("sched", {})]
+            keys = ("cpu_s", "runq_s", "off_cpu_s")
+            cells.append(" / ".join(f"{statistics.fmean(x[k] for x in v):.2f}" if v else "nan" for k in keys))
+        lines.append(f"| {step} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def _instance(home: Path):
     import dagster as dg
 
     return dg.DagsterInstance.from_config(str(home))
 
 
-def run_local(workdir: Path, steps: int, extra: list[str]) -> dict:
+def run_local(workdir: Path, steps: int, extra: list[str], sched: bool = False) -> dict:
     from deltalake import DeltaTable
 
     out = workdir / "local"
@@ -222,14 +297,14 @@ def run_local(workdir: Path, steps: int, extra: list[str]) -> dict:
     (home / "dagster.yaml").write_text(SQLITE_HOME)
     args = ["train", "--config", CONFIG, "--run-id", RUN_ID, f"trainer.output_dir={out}", *_common(steps), *extra]
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    t0 = time.time()
+    t0, sampler = time.time(), SchedSampler() if sched else None
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True
     )
-    total = time.time() - t0
+    total, samples = time.time() - t0, sampler.stop() if sampler else None
     _check(proc, "local")
     metrics = DeltaTable(str(out / "tables" / "iteration_metrics")).to_pandas()
-    return {"total_s": total, "iterations": per_iteration(_instance(home), metrics, RUN_ID)}
+    return {"total_s": total, "iterations": per_iteration(_instance(home), metrics, RUN_ID, sched=samples)}
 
 
 def _common(steps: int) -> list[str]:
@@ -241,7 +316,7 @@ def _check(proc: subprocess.CompletedProcess, mode: str) -> None:
         raise SystemExit(f"{mode} run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
-def run_cluster(workdir: Path, steps: int, extra: list[str], count: bool = False) -> dict:
+def run_cluster(workdir: Path, steps: int, extra: list[str], count: bool = False, sched: bool = False) -> dict:
     from tests.cluster.test_cluster_train import DAGSTER_YAML, Env
 
     t0 = time.time()
@@ -252,16 +327,16 @@ def run_cluster(workdir: Path, steps: int, extra: list[str], count: bool = False
         home.mkdir(parents=True, exist_ok=True)
         (home / "dagster.yaml").write_text(DAGSTER_YAML)
         os.environ["RLAKE_TEST_DAGSTER_PG_URL"] = env.dagster_pg
-        sampler = SessionSampler(env.pg)
+        sampler, scheds = SessionSampler(env.pg), SchedSampler() if sched else None
         t0 = time.time()
         proc = env.driver(
             "train", "--config", CONFIG, "--run-id", RUN_ID, *env.overrides(), *_common(steps), *extra, timeout=3000
         )
         total = time.time() - t0
-        samples = sampler.stop()
+        samples, sched_samples = sampler.stop(), scheds.stop() if scheds else None
         _check(proc, "cluster")
         metrics = env.table("iteration_metrics").to_pandas()
-        rows = per_iteration(_instance(home), metrics, RUN_ID, samples)
+        rows = per_iteration(_instance(home), metrics, RUN_ID, samples, sched_samples)
         out = {"total_s": total, "setup_s": setup, "pg_sessions_total": samples[-1][1] - samples[0][1]}
         if count:
             out["requests"] = _requests(env, _instance(home))
@@ -408,6 +483,7 @@ def main() -> int:
     ap.add_argument("--only", choices=["local", "cluster", "probes"], default=None)
     ap.add_argument("--probes", action="store_true", help="also time single storage/MLflow/Dagster round trips")
     ap.add_argument("--count-requests", action="store_true", help="count the cluster's S3 and MLflow requests")
+    ap.add_argument("--schedstat", action="store_true", help="the driver main thread's CPU / run-queue / off-CPU")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
     args = ap.parse_args()
     if args.workdir == "/tmp" or args.workdir.startswith("/tmp/"):
@@ -415,10 +491,10 @@ def main() -> int:
     workdir = Path(args.workdir) / time.strftime("%Y%m%d-%H%M%S")
     res: dict = {"config": CONFIG, "steps": args.steps, "load_before": os.getloadavg()}
     if args.only in (None, "local"):
-        res["local"] = run_local(workdir, args.steps, args.overrides)
+        res["local"] = run_local(workdir, args.steps, args.overrides, args.schedstat)
         res["load_between"] = os.getloadavg()
     if args.only in (None, "cluster"):
-        res["cluster"] = run_cluster(workdir, args.steps, args.overrides, args.count_requests)
+        res["cluster"] = run_cluster(workdir, args.steps, args.overrides, args.count_requests, args.schedstat)
     if args.probes or args.only == "probes":
         res["probes"] = probes(workdir)
     res["load_after"] = os.getloadavg()
@@ -426,6 +502,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     if "local" in res and "cluster" in res:
         print(table(res["local"], res["cluster"]) + "\n\n" + breakdown(res["local"], res["cluster"]))
+        if args.schedstat:
+            print("\n" + sched_table(res["local"], res["cluster"]))
     elif "probes" not in res:
         print(json.dumps(res, indent=1, default=str))
     if "requests" in res.get("cluster", {}):
