@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 from matplotlib.figure import Figure
+from pyarrow.dataset import FileSystemDataset
 
 from stages.io import uris
 from stages.io.store import open_table, table_exists
@@ -33,6 +38,15 @@ TRAIN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KL", ("actor/ppo_kl", "actor/kl_loss")),
     ("entropy", ("actor/entropy",)),
 )
+METRIC_COLUMNS = ["iteration", "policy_version", "metric", "value"]
+
+_RUN_ROWS: OrderedDict[tuple, tuple[pa.Schema, list[tuple[frozenset[str], pa.Table]]]] = OrderedDict()
+"""This process's METRIC_COLUMNS of a run's iteration_metrics data files (by table and run): the table's schema and
+groups of (data files, their rows). A Delta data file never changes, so load_run_metrics reads only the files it
+has not read (one per iteration), not every past iteration's again at every iteration (the asset's run_curves)."""
+_RUN_ROWS_LOCK = threading.Lock()
+RUNS_KEPT = 8
+"""(table, run) pairs _RUN_ROWS keeps, the most recently read."""
 
 
 def load_run_metrics(
@@ -49,11 +63,33 @@ def load_run_metrics(
             "(default <trainer.output_dir>/tables)"
         )
     dt = open_table(uri, storage_options=storage_options)
-    df = dt.to_pandas(partitions=[("run_id", "=", run_id)], columns=["iteration", "policy_version", "metric", "value"])
+    key = (uris.target(uri), json.dumps(uris.options_of(uri, storage_options) or {}, sort_keys=True), run_id)
+    df = _run_rows(dt, key, run_id).to_pandas()
     if df.empty:
         known = sorted(dt.to_pandas(columns=["run_id"])["run_id"].unique())
         raise LookupError(f"run '{run_id}' has no rows in {uri}; runs there: {', '.join(known) or 'none'}")
-    return df.sort_values(["iteration", "metric"]).reset_index(drop=True)
+    return df.sort_values(["iteration", "metric"]).reset_index(drop=True)  # one row per (iteration, metric)
+
+
+def _run_rows(dt, key: tuple, run_id: str) -> pa.Table:
+    """METRIC_COLUMNS of run `run_id`'s data files at `dt`'s version, in no particular order: the groups of files
+    read before that are all still in the table, plus the files not read yet (read together, as to_pandas
+    would). A group with a file an overwrite removed is dropped and its files still there are read again."""
+    ds = dt.to_pyarrow_dataset(file_pruning_predicate=[("run_id", "=", run_id)])
+    fragments = {f.path: f for f in ds.get_fragments()}
+    with _RUN_ROWS_LOCK:
+        schema, groups = _RUN_ROWS.pop(key, (ds.schema, []))
+    kept = [(paths, rows) for paths, rows in groups if schema == ds.schema and paths <= fragments.keys()]
+    covered = frozenset().union(*(paths for paths, _ in kept))
+    new = [f for path, f in fragments.items() if path not in covered]
+    if new or not kept:
+        rows = FileSystemDataset(new, ds.schema, ds.format, ds.filesystem).to_table(columns=METRIC_COLUMNS)
+        kept.append((frozenset(f.path for f in new), rows))
+    with _RUN_ROWS_LOCK:
+        _RUN_ROWS[key] = (ds.schema, kept)
+        while len(_RUN_ROWS) > RUNS_KEPT:
+            _RUN_ROWS.popitem(last=False)
+    return pa.concat_tables([rows for _, rows in kept])
 
 
 def validation_rewards(df: pd.DataFrame) -> pd.DataFrame:

@@ -103,7 +103,8 @@ def _created(path: str) -> tuple | None:
 
 
 _PINNED = threading.local()
-"""This thread's pinned() scope: the table keys brought up to date in it (`keys`), None outside one."""
+"""This thread's pinned() scope: the table keys brought up to date in it (`keys`) and the remote tables found
+absent in it (`absent`), None outside one."""
 
 
 @contextmanager
@@ -112,13 +113,16 @@ def pinned():
     the commits made since (a LIST and a GET on S3), later ones in the scope return the same copy as it is (it
     still advances by the writes made through it). For bookkeeping that reads tables nobody else writes while
     it runs (iteration_metrics: the iteration's stages are done), so each table costs one look-up, not one per
-    read. Scopes nest; per thread."""
-    outer = getattr(_PINNED, "keys", None)
+    read; a remote table found absent stays absent in the scope (one LIST, not one per table_exists) until this
+    process opens it (write_partition looks for it again, and opens it once it created it). Scopes nest; per
+    thread."""
+    outer, outer_absent = getattr(_PINNED, "keys", None), getattr(_PINNED, "absent", None)
     _PINNED.keys = set() if outer is None else outer
+    _PINNED.absent = set() if outer_absent is None else outer_absent
     try:
         yield
     finally:
-        _PINNED.keys = outer
+        _PINNED.keys, _PINNED.absent = outer, outer_absent
 
 
 def open_table(uri: str, *, version: int | None = None, storage_options: Options = None) -> DeltaTable:
@@ -169,14 +173,28 @@ def forget_tables() -> None:
 
 def table_exists(uri: str, *, storage_options: Options = None) -> bool:
     """Whether a Delta table is at `uri`. A remote table this process has open (open_table) exists without a
-    look-up (a LIST on S3): rlake never deletes a table; a local one is looked at (cheap, and a test may delete
-    it)."""
+    look-up (a LIST on S3): rlake never deletes a table; in a pinned() scope, one found absent is absent without
+    another; a local one is looked at (cheap, and a test may delete it)."""
     path, opts = _open(uri, storage_options)
-    if not uris.is_local(path):
-        with _TABLES_LOCK:
-            if (path, json.dumps(opts or {}, sort_keys=True)) in _TABLES:
-                return True
-    return DeltaTable.is_deltatable(path, storage_options=opts)
+    if uris.is_local(path):
+        return DeltaTable.is_deltatable(path, storage_options=opts)
+    key, absent = (path, json.dumps(opts or {}, sort_keys=True)), getattr(_PINNED, "absent", None)
+    with _TABLES_LOCK:
+        if key in _TABLES:
+            return True
+    if absent is not None and key in absent:
+        return False
+    found = DeltaTable.is_deltatable(path, storage_options=opts)
+    if not found and absent is not None:
+        absent.add(key)
+    return found
+
+
+def _forget_absent(path: str, opts: dict[str, str] | None) -> None:
+    """Drop a table from this thread's pinned() set of absent tables (its next table_exists looks again)."""
+    absent = getattr(_PINNED, "absent", None)
+    if absent is not None:
+        absent.discard((path, json.dumps(opts or {}, sort_keys=True)))
 
 
 def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
@@ -256,6 +274,7 @@ def write_partition(
     data = to_arrow(name, df.assign(run_id=run_id, iteration=iteration))
     props = CommitProperties(custom_metadata=commit_metadata(name, data, run_id, iteration, lineage))
     path, opts = _open(uri, storage_options)
+    _forget_absent(path, opts)  # whether to create the table is looked up, never taken from a pinned() scope
     if not table_exists(uri, storage_options=storage_options):
         write_deltalake(
             path,

@@ -228,3 +228,20 @@ def test_export_fetches_a_committed_checkpoint_from_the_bucket(s3, tiny_checkpoi
     assert summary["architecture"] == "Qwen2ForCausalLM" and (out / "model.safetensors").is_file()
     assert main(["export", "--run-id", "R", "--version", "4", "--out", str(tmp_path / "x"), *overrides]) == 2
     assert "needs policy version 4" in capsys.readouterr().err
+
+
+def test_an_absent_table_is_listed_once_in_a_pinned_scope(s3, monkeypatch) -> None:
+    """iteration_metrics asks table_exists about the tables the run never writes several times an iteration: in
+    its pinned() scope a remote table found absent costs one LIST, and a write that creates it is seen."""
+    _, _, _, cfg = s3
+    res = _rollout_store(cfg)
+    listed, real = [], store.DeltaTable.is_deltatable
+    monkeypatch.setattr(store.DeltaTable, "is_deltatable", lambda *a, **kw: listed.append(a[0]) or real(*a, **kw))
+    uri = res.uri("iteration_metrics")
+    with store.pinned():
+        assert not store.table_exists(uri) and not store.table_exists(uri) and len(listed) == 1
+        res.write("iteration_metrics", _metrics({"m": 1.0}, 1), run_id="r1", iteration=0, lineage=_lineage("m", {}))
+        assert store.table_exists(uri) and res.read("iteration_metrics", "r1", 0)[0]["value"].tolist() == [1.0]
+    absent = res.uri("values")
+    assert not store.table_exists(absent) and not store.table_exists(absent)  # outside a scope: a LIST each
+    assert len(listed) == 4  # 1 + write_partition looking again before it created the table + 2

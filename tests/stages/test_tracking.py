@@ -236,3 +236,24 @@ def test_run_curves_plot_one_run_whatever_other_runs_the_table_holds(tables) -> 
         )
     assert run_curves_markdown(tables, "r") == alone  # the same pixels: nothing of run s on run r's axes
     assert run_curves_markdown(tables, "s") != alone
+
+
+def test_run_metrics_reads_only_the_files_it_has_not_read(tables) -> None:
+    """load_run_metrics (the asset's run_curves, every iteration) reads a run's new data files only, and returns what
+    a full read of the table returns after new iterations and an overwritten partition."""
+    from stages.io import plots
+
+    uri = str(tables / "iteration_metrics")
+
+    def full() -> pd.DataFrame:
+        df = store.open_table(uri).to_pandas(partitions=[("run_id", "=", "r")], columns=plots.METRIC_COLUMNS)
+        return df.sort_values(["iteration", "metric"]).reset_index(drop=True)
+
+    pd.testing.assert_frame_equal(load_run_metrics(tables, "r"), full(), check_exact=True)
+    key = next(k for k in plots._RUN_ROWS if k[0] == uri and k[2] == "r")
+    _write(tables, "iteration_metrics", 2, {}, _metrics(2, {VAL: 0.5, "critic/score/mean": 0.7}))
+    pd.testing.assert_frame_equal(load_run_metrics(tables, "r"), full(), check_exact=True)
+    paths, rows = plots._RUN_ROWS[key][1][-1]
+    assert len(paths) == 1 and rows.column("iteration").to_pylist() == [2, 2]  # the new partition's file alone
+    _write(tables, "iteration_metrics", 0, {}, _metrics(0, {VAL: 0.25}))  # an overwrite removes a file read before
+    pd.testing.assert_frame_equal(load_run_metrics(tables, "r"), full(), check_exact=True)
