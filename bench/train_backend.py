@@ -5,7 +5,10 @@ One local Ray (2 CPUs, as `rlake train`'s default) and, per backend, the run's r
 (stages/update.py) -> the "actor" group (a WorkerGroup of named Ray actors, or one Ray Train run:
 stages/workers/train_group.py) -> `ActorWorker.update` on every rank. Per round and backend, from a fresh group:
 the first update (group start, policy load from disk, update, checkpoint commit) and then `--updates` more, each
-from the previous update's output, which the ranks hold resident (the pipeline's steady state). Rounds alternate
+from the previous update's output, which the ranks hold resident (the pipeline's steady state). "outside" is a
+call's wall time minus the update's own load + compute time as rank 0 measures it (timing_s/update_load +
+update_compute): the dispatch and the checkpoint commit, where the two backends differ, and less sensitive to
+the machine's load than the wall time. Rounds alternate
 the backends (worker_group, ray_train, worker_group, ...), so load drift on a shared machine hits both.
 
 The batch is bench/bf16_update.py's: the task's few-shot prompts x solution-text responses of a length drawn
@@ -62,7 +65,7 @@ def one_round(cfg_path: str, backend: str, model_dir: str, table: tuple[str, int
     """A fresh group of `backend`: the first update from disk, then `updates` resident ones; seconds of each."""
     cfg = load_config(cfg_path, [f"actor.worker_backend={backend}", "trainer.run_id=bench"])
     shutdown_worker_groups()
-    policy, times, metrics = model_dir, [], {}
+    policy, times, inside, metrics = model_dir, [], [], {}
     for i in range(updates + 1):
         out = root / f"{backend}-{time.time_ns()}"
         req = update_request(
@@ -71,10 +74,17 @@ def one_round(cfg_path: str, backend: str, model_dir: str, table: tuple[str, int
         t0 = time.perf_counter()
         metrics = run_update(req)
         times.append(time.perf_counter() - t0)
+        inside.append(metrics["timing_s/update_load"] + metrics["timing_s/update_compute"])
         policy = str(out)
         assert metrics["actor/weights_loaded_from_disk"] == (1.0 if i == 0 else 0.0), (backend, i, metrics)
     shutdown_worker_groups()
-    return {"backend": backend, "first_s": times[0], "resident_s": times[1:], "pg_loss": metrics["actor/pg_loss"]}
+    return {
+        "backend": backend,
+        "first_s": times[0],
+        "resident_s": times[1:],
+        "resident_outside_s": [t - u for t, u in zip(times[1:], inside[1:])],
+        "pg_loss": metrics["actor/pg_loss"],
+    }
 
 
 def main() -> None:
@@ -107,6 +117,7 @@ def main() -> None:
         summary[backend] = {
             "first_s_median": statistics.median(x["first_s"] for x in mine),
             "resident_s_median": statistics.median(t for x in mine for t in x["resident_s"]),
+            "resident_outside_s_median": statistics.median(t for x in mine for t in x["resident_outside_s"]),
             "pg_loss": [x["pg_loss"] for x in mine],
         }
     ratio = summary["ray_train"]["resident_s_median"] / summary["worker_group"]["resident_s_median"]
