@@ -15,14 +15,13 @@ never one a process elsewhere is still running (`_fail_stale_runs`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import dagster as dg
@@ -39,6 +38,7 @@ from pipelines.dagster_storage import (  # noqa: F401 - API
     pool_postgres_connections,
 )
 from pipelines.definitions import build_definitions
+from pipelines.heap import frozen_heap
 from pipelines.jobs import ITERATION_JOB, SETUP_JOB, iteration_asset_keys
 from pipelines.logs import failure_message
 from pipelines.one_step_off import run_one_step_off
@@ -219,19 +219,6 @@ def _run_jobs(
             return setup, run_one_step_off(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
         kw = {"tags": tags, "run_config": run_config}
         return setup, _run_iterations(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
-
-
-@contextmanager
-def frozen_heap():
-    """The iterations with what is alive before them (Dagster, Ray, torch, MLflow modules, the definitions, the
-    instance) gc.freeze'd: a full collection skips it, where walking it took ~0.55 s of CPU in whichever step it
-    fell (#37 item 4). Collected first, so no garbage is frozen; unfrozen after (a test runs many runs)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _run_iterations(defs, instance, cfg: RunConfig, start: int, total: int, progress: RunProgress, **kw) -> list[dict]:
