@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pandas as pd
 
-from stages.workers.group import WorkerGroup, call_with_retry
+from stages.workers.group import WorkerGroup, _method_name, call_with_retry
 from stages.workers.tasks import split_frame
 
 R = TypeVar("R")
@@ -40,12 +40,7 @@ class LocalGroup:
 
     def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
         """method(*per_rank_args[i]) on rank i (fewer argument tuples than ranks: the first ranks only)."""
-        name = getattr(method, "__name__", None)
-        if name is None or getattr(self.worker_cls, name, None) is not method:
-            raise TypeError(
-                f"{method!r} is not a method of {self.worker_cls.__name__}; call the group with one, "
-                f"e.g. {self.worker_cls.__name__}.{name or 'method'}"
-            )
+        _method_name(self.worker_cls, method)  # a method of another class fails here, as in a WorkerGroup
         return [method(w, *a) for w, a in zip(self.workers, per_rank_args, strict=False)]
 
     def kill(self) -> None:

@@ -113,7 +113,7 @@ class TrainHost:
         s = self.spec
         trainer = DataParallelTrainer(
             serve_rank,
-            train_loop_config={"host": s["name"], "namespace": ray.get_runtime_context().namespace},
+            train_loop_config={"host": s["name"], "namespace": ray.get_runtime_context().namespace, "spec": s},
             backend_config=BackendConfig(),
             scaling_config=ScalingConfig(
                 num_workers=s["num_workers"], resources_per_worker=s["resources"], placement_strategy="PACK"
@@ -146,7 +146,7 @@ class TrainHost:
             self.joined.add(rank)
             self.pids[rank], self.placements[rank] = pid, placement
             self.handles[rank] = handle
-            return {"attempt": self.attempt, "after": self.skip_to, "spec": self.spec, "store_dir": self.store_dir}
+            return {"attempt": self.attempt, "after": self.skip_to, "store_dir": self.store_dir}
 
     def set_rendezvous(self, attempt: int, init_method: str) -> None:
         with self.cv:
@@ -248,12 +248,16 @@ def serve_rank(config: dict) -> None:
     host = ray.get_actor(config["host"], namespace=config["namespace"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    me = ray.get_runtime_context().current_actor
-    spec = ray.get(host.join.remote(rank, os.getpid(), {}, me))["spec"]
+    spec = config["spec"]
     worker = spec["worker_cls"](rank, world, spec["threads"], spec["shape"], **spec["init_kwargs"])
+    me = ray.get_runtime_context().current_actor
     info = ray.get(host.join.remote(rank, os.getpid(), worker.placement(), me))
     attempt, after = info["attempt"], info["after"]
-    if spec["process_group"] and world > 1 and not _join_process_group(host, worker, rank, attempt, info):
+    if (
+        spec["process_group"]
+        and world > 1
+        and not _join_process_group(host, worker, rank, attempt, store_dir=info["store_dir"], local=spec["local"])
+    ):
         return
     while (cmd := ray.get(host.next.remote(attempt, after))) is not None:
         after, name, arg_refs = cmd
@@ -276,11 +280,11 @@ def _portable(exc: Exception, text: str) -> Any:
         return ray.put(RuntimeError(text))
 
 
-def _join_process_group(host, worker, rank: int, attempt: int, info: dict) -> bool:
+def _join_process_group(host, worker, rank: int, attempt: int, *, store_dir: str, local: bool) -> bool:
     """rlake's rendezvous for this group attempt (False: a newer attempt started meanwhile; stop serving)."""
     if rank == 0:
-        if info["spec"]["local"]:
-            init = f"file://{info['store_dir']}/pg-{attempt}-{time.time_ns()}"
+        if local:
+            init = f"file://{store_dir}/pg-{attempt}-{time.time_ns()}"
         else:
             ip, port = worker.free_address()
             init = f"tcp://{ip}:{port}"
@@ -293,20 +297,16 @@ def _join_process_group(host, worker, rank: int, attempt: int, info: dict) -> bo
     return True
 
 
-class TrainGroup:
-    """The WorkerGroup interface (`call`, `call_each`, `kill`, `num_workers`, `handles`) over a TrainHost."""
+class TrainGroup(WorkerGroup):
+    """A WorkerGroup whose one handle is the TrainHost of `num_workers` Ray Train ranks (`call` is WorkerGroup's)."""
 
     def __init__(self, worker_cls: type, role: str, host, num_workers: int) -> None:
-        self.worker_cls, self.role, self._n = worker_cls, role, num_workers
-        self.handles = [host]
+        super().__init__(worker_cls, role, [host])
+        self._n = num_workers
 
     @property
     def num_workers(self) -> int:
         return self._n
-
-    def call(self, method, *args: Any) -> list:
-        """method(*args) on every rank; results in rank order."""
-        return self.call_each(method, [args] * self.num_workers)
 
     def call_each(self, method, per_rank_args) -> list:
         """method(*per_rank_args[i]) on rank i (fewer argument tuples than ranks: the first ranks only)."""
