@@ -148,16 +148,8 @@ class Partition:
     storage_options: Options = None
 
     def batches(self, columns: list[str] | None = None, batch_rows: int | None = None) -> Iterator[pd.DataFrame]:
-        """iter_partition_batches of this partition."""
-        return iter_partition_batches(
-            self.uri,
-            self.run_id,
-            self.iteration,
-            version=self.version,
-            columns=columns,
-            batch_rows=batch_rows,
-            storage_options=self.storage_options,
-        )
+        """iter_partition_batches of this partition: record_batches, each converted to pandas."""
+        return (batch.to_pandas() for batch in self.record_batches(columns, batch_rows))
 
     def record_batches(
         self, columns: list[str] | None = None, batch_rows: int | None = None
