@@ -20,6 +20,8 @@ from stages.io import store
 from stages.io.checkpoints import checkpoint_row
 from stages.io.stage_exec import Partition, partition_rows
 from stages.io.tables import PROMPTS_ITERATION
+from stages.workers.shard_io import ShardResult, Sink
+from stages.workers.sharded import commit_shards
 
 runs = dg.DynamicPartitionsDefinition(name="run")
 """One partition per rlake run id (set-up assets; the `run` dimension of run_iterations)."""
@@ -278,18 +280,19 @@ def timed():
 
 def model_logprob_table(
     context, cfg: RunConfig, rollout_store, model_store, ray, *, table: str, model_version: int, compute
-) -> tuple[pd.DataFrame, pd.DataFrame, int, float]:
-    """The body of the assets that run a checkpoint over an iteration's rollouts (ref_logprobs, old_logprobs):
-    read the rollouts at their recorded version, require policy version `model_version` of the run, compute
-    (cfg, rollouts, model_dir) -> rows on Ray, write `table` with the rollouts as upstream. Returns (rollouts,
-    rows, the new Delta version, seconds of compute)."""
+) -> tuple[list[ShardResult], int, float]:
+    """The body of the assets that run a checkpoint over an iteration's rollouts (ref_logprobs, old_logprobs,
+    teacher_logprobs): the rollouts partition at its recorded version as a handle, policy version
+    `model_version` of the run required, compute(cfg, partition, model_dir, sink) on Ray (each rank reads its slice
+    and writes its rows: stages/workers/sharded.py), then ONE commit of `table` with the rollouts as upstream.
+    Returns (the ranks' results, the new Delta version, seconds of compute and writes)."""
     it = iteration_of(context)
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
+    source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(model_version, needed_by=f"{table} of iteration {it}")
     ray.ensure()
-    with timed() as t:
-        out = compute(cfg, df, model_dir)
-    v = write_table(
-        rollout_store, cfg, table, out, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
-    )
-    return df, out, v, t["s"]
+    sink = Sink(rollout_store.uri(table), table, cfg.run_id, it)
+    t0 = time.perf_counter()
+    results = compute(cfg, source, model_dir, sink)
+    seconds = time.perf_counter() - t0
+    meta = lineage(cfg, stage=table, policy_version=it, upstream={"rollouts": source.version}, duration_s=seconds)
+    return results, commit_shards(sink, results, meta), seconds

@@ -6,7 +6,6 @@ never builds one; critic version v scores iteration v, critic_checkpoint of iter
 """
 
 import dagster as dg
-import numpy as np
 
 from assets.common import (
     TRAIN,
@@ -15,18 +14,21 @@ from assets.common import (
     checkpoint_version,
     data_version,
     iteration_of,
+    lineage,
     outside_dag,
     read_recorded,
     record_checkpoint,
     run_iterations,
     timed,
-    write_table,
+    upstream_partition,
 )
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
 from stages.critic_update import train_critic
 from stages.io.checkpoints import checkpoint_target
 from stages.train.critic import prune_critics, require_critic
 from stages.values import rollout_values
+from stages.workers.shard_io import Sink
+from stages.workers.sharded import commit_shards
 
 
 @dg.asset(
@@ -46,25 +48,25 @@ def values(
     cfg, it = run_config.load(), iteration_of(context)
     if skipped := outside_dag(cfg, "values", checks=("values_finite",)):
         return skipped
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
+    source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
     ms = model_store.for_run(cfg.run_id)
+    sink = Sink(rollout_store.uri("values"), "values", cfg.run_id, it)
     with timed() as t:
         created = it == 0 and ms.manifest(0, "critic") is None
         critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"values of iteration {it}")
         if created:  # critic version 0, made from policy version 0 on first use
             record_checkpoint(rollout_store, cfg, ms.manifest(0, "critic"), it, upstream={})
-        vals = rollout_values(cfg, df, critic_dir, it)
-    v = write_table(
-        rollout_store, cfg, "values", vals, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
-    )
-    flat = np.concatenate([np.asarray(x, dtype=np.float64) for x in vals["values"]] + [np.zeros(0)])
-    bad = int((~np.isfinite(flat)).sum())  # a NaN value would turn every GAE advantage of the batch into NaN
+        results = rollout_values(cfg, source, critic_dir, it, sink)  # the critic rank reads and writes the rows
+    meta = lineage(cfg, stage="values", policy_version=it, upstream={"rollouts": source.version}, duration_s=t["s"])
+    v = commit_shards(sink, results, meta)
+    n = sum(r.summary["n"] for r in results)
+    bad = sum(r.summary["non_finite"] for r in results)  # a NaN value would turn every GAE advantage into NaN
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,
             "critic_version": it,
-            "rollouts": len(vals),
-            "values_mean": float(np.nanmean(flat)) if flat.size else 0.0,
+            "rollouts": sum(r.rows for r in results),
+            "values_mean": sum(r.summary["sum"] for r in results) / n if n else 0.0,
             "checkpoint_id": ms.manifest(it, "critic")["checkpoint_id"] or "none",
         },
         data_version=data_version("values", v),

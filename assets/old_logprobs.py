@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.common import TRAIN, asset_deps, check_spec, data_version, iteration_of, model_logprob_table, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import engine_logprobs_and_masks, policy_old_logprobs, probs_gap
+from stages.old_logprobs import old_logprobs_gap, policy_old_logprobs
 
 
 @dg.asset(
@@ -32,7 +32,7 @@ def old_logprobs(
     trainer.async_mode=one_step_off the rollouts were sampled by the version before it), on the actor workers,
     which keep that policy resident for the update; and their gap to the engine's."""
     cfg, it = run_config.load(), iteration_of(context)
-    df, out, v, seconds = model_logprob_table(
+    results, v, seconds = model_logprob_table(
         context,
         cfg,
         rollout_store,
@@ -42,10 +42,10 @@ def old_logprobs(
         model_version=it,
         compute=policy_old_logprobs,
     )
-    engine, masks = engine_logprobs_and_masks(df, out["rollout_id"])
-    gap, _, _ = probs_gap(out["old_logprobs"].tolist(), engine, masks)  # over every rollout (ReMax baselines too)
+    gap = old_logprobs_gap(results)  # over every rollout (ReMax baselines too), merged from the ranks' moments
+    rows = sum(r.rows for r in results)
     return dg.MaterializeResult(
-        metadata={"delta_version": v, "rollouts": len(out), "policy_version": it, "old_s": seconds, **gap},
+        metadata={"delta_version": v, "rollouts": rows, "policy_version": it, "old_s": seconds, **gap},
         data_version=data_version("old_logprobs", v),
         check_results=[
             probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean, lag=it - cfg.trainer.rollout_version(it))

@@ -4,8 +4,7 @@ import dagster as dg
 
 from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import engine_minus
-from stages.ref_logprobs import REF_POLICY_VERSION, reference_logprobs
+from stages.ref_logprobs import REF_POLICY_VERSION, mean_log_ratio, reference_logprobs
 
 
 @dg.asset(
@@ -25,7 +24,7 @@ def ref_logprobs(
     cfg = run_config.load()
     if skipped := outside_dag(cfg, "ref_logprobs"):
         return skipped
-    df, out, v, seconds = model_logprob_table(
+    results, v, seconds = model_logprob_table(
         context,
         cfg,
         rollout_store,
@@ -35,13 +34,12 @@ def ref_logprobs(
         model_version=REF_POLICY_VERSION,
         compute=reference_logprobs,
     )
-    log_ratio = engine_minus(df, out, "ref_logprobs")  # over the model's own tokens (observation tokens: placeholders)
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,
-            "rollouts": len(out),
+            "rollouts": sum(r.rows for r in results),
             "ref_policy_version": REF_POLICY_VERSION,
-            "k1_mean": float(log_ratio.mean()) if log_ratio.size else 0.0,
+            "k1_mean": mean_log_ratio(results),  # over the model's own tokens (observation tokens: placeholders)
             "ref_s": seconds,
         },
         data_version=data_version("ref_logprobs", v),

@@ -4,7 +4,7 @@ import dagster as dg
 
 from assets.common import ROLLOUT, asset_deps, data_version, model_logprob_table, outside_dag, run_iterations
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import engine_minus
+from stages.ref_logprobs import mean_log_ratio
 from stages.teacher_logprobs import teacher_logprobs as compute_teacher_logprobs
 
 
@@ -26,17 +26,16 @@ def teacher_logprobs(
     if skipped := outside_dag(cfg, "teacher_logprobs"):
         return skipped
     # policy version 0 is the student whose tokenizer the teacher must share (stages/teacher_logprobs.py)
-    df, out, v, seconds = model_logprob_table(
+    results, v, seconds = model_logprob_table(
         context, cfg, rollout_store, model_store, ray,
         table="teacher_logprobs", model_version=0, compute=compute_teacher_logprobs,
     )  # fmt: skip
-    reverse_kl = engine_minus(df, out, "teacher_logprobs")  # the student's sampled tokens: log pi_s - log pi_t
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,
-            "rollouts": len(out),
+            "rollouts": sum(r.rows for r in results),
             "teacher": str(cfg.algorithm.distillation.teacher_model_path),
-            "teacher_kl_mean": float(reverse_kl.mean()) if reverse_kl.size else 0.0,
+            "teacher_kl_mean": mean_log_ratio(results),  # the student's sampled tokens: log pi_s - log pi_t
             "teacher_s": seconds,
         },
         data_version=data_version("teacher_logprobs", v),

@@ -42,12 +42,14 @@ def write_blocks(store, cfg, table: str, frame: pd.DataFrame, it: int, blocks: i
     uri = store.uri(table)
     files = pd.concat(
         [
-            dataset_io._write_block(part, uri=uri, options=None, name=table, run_id=scale.RUN, iteration=it)
+            dataset_io.write_block(part, uri=uri, options=None, name=table, run_id=scale.RUN, iteration=it)
             for part in np.array_split(frame, blocks)
         ]
     )
     meta = lineage(cfg, stage=table, policy_version=it, upstream=up, duration_s=0.0)
-    return dataset_io._commit(uri, table, files, run_id=scale.RUN, iteration=it, lineage=meta, storage_options=None)
+    return dataset_io.commit_files(
+        uri, table, files, run_id=scale.RUN, iteration=it, lineage=meta, storage_options=None
+    )
 
 
 def grow(store, cfg, n: int, blocks: int) -> dict[int, dict[str, int]]:

@@ -3,7 +3,7 @@
 
 Flow: assets/teacher.py `teacher_logprobs` -> `teacher_logprobs(cfg, rollouts, student_dir)`, which checks that
 the teacher reads the student's tokens as the student does (same tokenizer vocabulary) and runs
-stages.ref_logprobs.compute_ref_logprobs with the teacher's checkpoint on the run's own "teacher" worker group:
+stages.ref_logprobs.ref_logprob_shards with the teacher's checkpoint on the run's own "teacher" worker group:
 RefWorkers, loaded once per run and kept resident, placed as the reference model's (stages/workers/placement.py).
 Log-probs are taken at the rollout's sampling temperature, as the reference model's and the student's.
 """
@@ -17,10 +17,12 @@ import pandas as pd
 
 from configs.schema import RunConfig
 from stages.io.checkpoints import resolve_model_dir
+from stages.io.stage_exec import Partition
 from stages.models.policy import load_tokenizer
-from stages.ref_logprobs import compute_ref_logprobs
+from stages.ref_logprobs import ref_logprob_shards
 from stages.train.batching import logprob_temperature
 from stages.workers.placement import GpuPool
+from stages.workers.shard_io import ShardResult, Sink
 
 TEACHER_ROLE = "teacher"
 """The teacher's worker group (a role of its own beside "ref": a run may use both)."""
@@ -58,13 +60,17 @@ def check_teacher_tokenizer(teacher: Path, student_tokenizer) -> None:
         )
 
 
-def teacher_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, student_dir: str | Path) -> pd.DataFrame:
-    """The teacher_logprobs table rows (rollout_id, policy_version, teacher_logprobs) of an iteration's rollouts,
-    sorted by rollout_id; student_dir: the student's policy version 0 (for the tokenizer check)."""
+def teacher_logprobs(
+    cfg: RunConfig, rollouts: pd.DataFrame | Partition, student_dir: str | Path, sink: Sink | None = None
+) -> list[ShardResult]:
+    """The teacher_logprobs rows (rollout_id, policy_version, teacher_logprobs) of an iteration's rollouts, sorted
+    by rollout_id per rank, and each rank's reverse-KL sums (stages.ref_logprobs.mean_log_ratio); student_dir: the
+    student's policy version 0 (for the tokenizer check). With a Partition handle and a sink, each rank reads its
+    slice and writes its rows."""
     dcfg = cfg.algorithm.distillation
     teacher = teacher_dir(cfg)
     check_same_tokenizer(teacher, resolve_model_dir(student_dir))
-    out = compute_ref_logprobs(
+    return ref_logprob_shards(
         rollouts,
         model_dir=str(teacher),
         micro_batch_size=cfg.actor.ppo_micro_batch_size,
@@ -73,5 +79,6 @@ def teacher_logprobs(cfg: RunConfig, rollouts: pd.DataFrame, student_dir: str | 
         param_dtype=cfg.actor.mixed_precision.param_dtype,
         gpus=GpuPool.of(cfg.trainer),
         role=TEACHER_ROLE,
+        sink=sink,
+        column="teacher_logprobs",
     )
-    return out.drop(columns="ref_policy_version").rename(columns={"ref_logprobs": "teacher_logprobs"})

@@ -123,7 +123,7 @@ def _stats(table: pa.Table) -> str:
     return json.dumps({"numRecords": table.num_rows, "nullCount": {c: table[c].null_count for c in table.column_names}})
 
 
-def _write_block(df: pd.DataFrame, *, uri: str, options: dict | None, name: str, run_id: str, iteration: int):
+def write_block(df: pd.DataFrame, *, uri: str, options: dict | None, name: str, run_id: str, iteration: int):
     """One write task: the block cast to the table's schema, one Parquet file in the partition's directory;
     returns its file record (one row) for the caller's commit."""
     table = to_arrow(name, df.assign(run_id=run_id, iteration=iteration)).drop_columns(list(KEYS))
@@ -183,7 +183,7 @@ def write_partition_dataset(
     written: e.g. with the stage's duration). Returns the new table version."""
     options = uris.options_of(uri, storage_options)
     files = ds.map_batches(
-        _write_block,
+        write_block,
         batch_format="pandas",
         batch_size=None,
         fn_kwargs={"uri": uris.target(uri), "options": options, "name": name, "run_id": run_id, "iteration": iteration},
@@ -191,12 +191,12 @@ def write_partition_dataset(
     files = files[files["rows"] > 0] if "rows" in files else files  # no block at all: no columns either
     if not len(files):
         raise empty_partition_error(name, run_id, iteration)
-    return _commit(
+    return commit_files(
         uri, name, files, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=storage_options
     )
 
 
-def _commit(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, lineage, storage_options) -> int:
+def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, lineage, storage_options) -> int:
     """ONE Delta commit of the written files (one row each), replacing partition (run_id, iteration); `lineage`
     a mapping or a function giving it (called here, after the files are written)."""
     lineage = lineage() if callable(lineage) else lineage

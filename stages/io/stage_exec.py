@@ -214,7 +214,7 @@ def write_frames(
     for out in frames:
         if len(out):
             files.append(
-                dataset_io._write_block(
+                dataset_io.write_block(
                     out,
                     uri=uris.target(target),
                     options=uris.options_of(target, storage_options),
@@ -226,7 +226,7 @@ def write_frames(
     if not files:
         raise store.empty_partition_error(name, run_id, iteration)
     listing = pd.concat(files, ignore_index=True)
-    return dataset_io._commit(
+    return dataset_io.commit_files(
         target, name, listing, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=storage_options
     )
 

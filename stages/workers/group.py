@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from stages.workers import rendezvous
+from stages.workers import rendezvous, shard_io
 from stages.workers.connect import ensure_ray, ensure_ray_for, settings
 from stages.workers.placement import (
     CPU_ONLY,
@@ -140,6 +140,14 @@ class Worker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def run_shard(
+        self, method: str, args: tuple, source, sink: shard_io.Sink | None, finish: shard_io.Finish | None
+    ) -> shard_io.ShardResult:
+        """This rank's part of a sharded stage (stages/workers/sharded.py): read `source` (its slice of a Delta
+        partition, or rows sent along), call self.<method>(*args) with them in place of SHARD, and write the
+        output through `sink` from here (stages/workers/shard_io.py)."""
+        return shard_io.run_shard(self, method, args, source, sink, finish)
 
 
 def _method_name(worker_cls: type, method: Callable) -> str:

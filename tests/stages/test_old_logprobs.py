@@ -15,11 +15,14 @@ import torch
 
 from configs.schema import ActorConfig, OptimConfig, RolloutConfig
 from stages.io import store
+from stages.io.stage_exec import Partition
 from stages.models.policy import encode_chat, load_policy, save_policy
-from stages.old_logprobs import compute_old_logprobs, probs_gap
+from stages.old_logprobs import compute_old_logprobs, old_logprob_shards, old_logprobs_gap, probs_gap
 from stages.rollout import generate_rollouts
 from stages.workers.actor_worker import ActorWorker, stored_old_logprobs
 from stages.workers.requests import UpdateRequest
+from stages.workers.shard_io import Sink
+from stages.workers.sharded import commit_shards
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import make_rows
@@ -155,19 +158,37 @@ def test_megatron_actor_computes_with_torch_and_keeps_nothing(tiny_checkpoint) -
 
 @pytest.mark.ray
 def test_old_logprobs_on_the_actor_group_then_update_loads_nothing(ray_session, tiny_checkpoint, tmp_path) -> None:
-    """Two actor ranks of the update's own group each compute a contiguous shard; the update that follows on
+    """Two actor ranks of the update's own group each read a contiguous slice of the rollouts partition from
+    Delta, compute, and write their rows; the step commits once and never holds a row. The table equals the
+    in-process computation, in rollout order, with the gap metrics of the whole batch; the update that follows on
     that group finds policy version 0 resident on both ranks."""
     from stages.update import run_update
     from stages.workers.group import shutdown_worker_groups
 
     shutdown_worker_groups()
     actor = ACTOR.model_copy(update={"num_workers": 2, "ppo_mini_batch_size": 2})
-    rows = make_rows(16).assign(rollout_logprobs=lambda d: [[-1.0] * len(r) for r in d["response_token_ids"]])
-    remote = compute_old_logprobs(rows, policy_dir=str(tiny_checkpoint), actor=actor)
+    gen = np.random.default_rng(0)
+    rows = make_rows(16).assign(
+        rollout_logprobs=lambda d: [list(-gen.random(len(r)) * 2) for r in d["response_token_ids"]]
+    )
+    rollouts = str(tmp_path / "rollouts")  # an advantages-shaped table of the rows: a slice reads any table
+    version = store.write_partition(rollouts, "advantages", rows, run_id="r", iteration=0, lineage={"stage": "test"})
+    sink = Sink(str(tmp_path / "old_logprobs"), "old_logprobs", "r", 0)
+    results = old_logprob_shards(
+        Partition(rollouts, "r", 0, version), policy_dir=str(tiny_checkpoint), actor=actor, sink=sink
+    )
+    assert [r.frame for r in results] == [None, None] and [len(r.files) for r in results] == [1, 1]
+    assert [r.rows for r in results] == [8, 8]  # rank i: rollouts 8i .. 8i+7, read there
+    written = commit_shards(sink, results, {"stage": "old_logprobs"})
+    remote = store.read_partition(sink.uri, "r", 0, version=written)
     local = compute_old_logprobs(rows, policy_dir=str(tiny_checkpoint), actor=actor, use_ray=False)
     assert remote["rollout_id"].tolist() == local["rollout_id"].tolist() == list(range(16))
     for a, b in zip(remote["old_logprobs"], local["old_logprobs"], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(remote["rollout_probs_diff_max"], local["rollout_probs_diff_max"], atol=1e-5)
+    whole, _, _ = probs_gap(remote["old_logprobs"].tolist(), rows["rollout_logprobs"].tolist())
+    assert old_logprobs_gap(results) == pytest.approx(whole, rel=1e-9)  # merged from the ranks' moments
+    remote = remote.drop(columns=["run_id", "iteration"])
     uri, version = _advantages(
         tmp_path, rows.drop(columns="rollout_logprobs").assign(old_logprobs=remote["old_logprobs"])
     )

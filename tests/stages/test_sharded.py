@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from stages.workers.group import Worker
-from stages.workers.sharded import LocalGroup, local_group, rank_shards, sharded_call
+from stages.workers.sharded import LocalGroup, local_group, rank_shards, shard_frames, sharded_call, sharded_run
 
 
 class Tagger(Worker):
@@ -51,17 +51,10 @@ def test_shards_are_contiguous_in_rank_order() -> None:
 
 def test_fewer_rows_than_ranks() -> None:
     """Default: only the first ranks are called; every_rank: the others get an empty shard (rank_shards)."""
-    seen: list[int] = []
-
-    def args(shard: pd.DataFrame) -> tuple:
-        seen.append(len(shard))
-        return (shard, 0.0)
-
-    out = sharded_call(lambda: _local(3), Tagger.tag, _frame(2), args)
-    assert seen == [1, 1] and out["rank"].tolist() == [0, 1]
-    seen.clear()
-    out = sharded_call(lambda: _local(3), Tagger.tag, _frame(2), args, every_rank=True)
-    assert seen == [1, 1, 0] and out["rank"].tolist() == [0, 1]
+    results = sharded_run(lambda: _local(3), Tagger.tag, _frame(2), lambda shard: (shard, 0.0))
+    assert [r.rows for r in results] == [1, 1] and shard_frames(results)["rank"].tolist() == [0, 1]
+    results = sharded_run(lambda: _local(3), Tagger.tag, _frame(2), lambda shard: (shard, 0.0), every_rank=True)
+    assert [r.rows for r in results] == [1, 1, 0] and shard_frames(results)["rank"].tolist() == [0, 1]
     assert [len(s) for s in rank_shards(_frame(2), 4)] == [1, 1, 0, 0]
 
 

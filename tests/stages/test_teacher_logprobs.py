@@ -17,6 +17,7 @@ from stages.dag import iteration_stages
 from stages.ref_logprobs import compute_ref_logprobs
 from stages.teacher_logprobs import TEACHER_ROLE, check_same_tokenizer, teacher_dir, teacher_logprobs
 from stages.workers.group import _find
+from stages.workers.sharded import shard_frames
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import scored_rows
@@ -111,7 +112,7 @@ def test_teacher_logprobs_on_the_teacher_group_equal_an_in_process_forward(tiny_
     rollouts = _rollouts(tiny_checkpoint, n_prompts=3, n=2)
     overrides = ["algorithm.distillation.enable=true", f"algorithm.distillation.teacher_model_path={tiny_checkpoint}"]
     cfg = load_config(None, overrides)
-    out = teacher_logprobs(cfg, rollouts, tiny_checkpoint)
+    out = shard_frames(teacher_logprobs(cfg, rollouts, tiny_checkpoint))
     assert list(out.columns) == ["rollout_id", "policy_version", "teacher_logprobs"]
     here = compute_ref_logprobs(rollouts, model_dir=str(tiny_checkpoint), use_ray=False)
     got, want = (
