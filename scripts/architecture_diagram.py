@@ -1,4 +1,5 @@
-"""Draw docs/architecture.png: the layers (left) and one RL iteration's data flow (right).
+"""Draw docs/architecture.png: the layers (left) and one RL iteration's data flow (right): for each stage, the
+worker it calls and where its rows are read, computed and written (the ranks, Ray Data, or the Dagster step).
 
     python scripts/architecture_diagram.py [--out docs/architecture.png]
 
@@ -30,18 +31,27 @@ LAYERS = [
 ]
 
 DELTA, CKPT, STAGE, WORKER, LOCAL = "#cfe2f3", "#fce5cd", "#ffffff", "#d9ead3", "#f3f3f3"
-# one row per stage module in run order: (module, asset, reads, worker method or None, where it runs, writes, kind)
+# one row per stage module in run order: (module, asset, reads, worker method or None, where its rows are read,
+# computed and written, writes, kind)
 FLOW = [
-    ("prompts.py", "prompts", "verl parquet / generated task", None, "in-process", "prompts", DELTA),
-    ("initial_policy.py", "initial_policy", "model.path or the tiny model", None, "in-process", "policy_v0", CKPT),
-    ("prompt_batch.py", "prompt_batches", "prompts", None, "in-process", "prompt_batches", DELTA),
-    ("rollout.py", "rollouts", "prompt_batches, policy_vN", "RolloutWorker.generate", "", "rollouts", DELTA),
+    ("prompts.py", "prompts", "verl parquet / generated task", None, "in the step", "prompts", DELTA),
+    ("initial_policy.py", "initial_policy", "model.path or the tiny model", None, "in the step", "policy_v0", CKPT),
+    ("prompt_batch.py", "prompt_batches", "prompts", None, "in the step (prompt ids)", "prompt_batches", DELTA),
+    (
+        "rollout.py",
+        "rollouts",
+        "prompt_batches, policy_vN",
+        "RolloutWorker.generate",
+        "prompts sent; rows back, written by the step",
+        "rollouts",
+        DELTA,
+    ),
     (
         "ref_logprobs.py",
         "ref_logprobs (KL)",
         "rollouts, policy_v0",
         "RefWorker.compute_ref_log_prob",
-        "",
+        "each rank reads its slice, writes its file",
         "ref_logprobs",
         DELTA,
     ),
@@ -50,18 +60,34 @@ FLOW = [
         "old_logprobs",
         "rollouts, policy_vN",
         "ActorWorker.compute_log_prob",
-        "",
+        "each rank reads its slice, writes its file",
         "old_logprobs",
         DELTA,
     ),
-    ("reward.py", "scored_rollouts", "rollouts", None, "Ray tasks (rule rewards)", "scored_rollouts", DELTA),
-    ("values.py", "values (gae)", "rollouts, critic_vN", "CriticWorker.compute_values", "", "values", DELTA),
+    (
+        "reward.py",
+        "scored_rollouts",
+        "rollouts",
+        None,
+        "stage executor: batches, or Ray Data\nread -> map_batches -> write on workers",
+        "scored_rollouts",
+        DELTA,
+    ),
+    (
+        "values.py",
+        "values (gae)",
+        "rollouts, critic_vN",
+        "CriticWorker.compute_values",
+        "the rank reads the rows, writes its file",
+        "values",
+        DELTA,
+    ),
     (
         "advantage.py",
         "advantages",
-        "scored_rollouts, old_logprobs (+ values, ref)",
+        "scored_rollouts, old_logprobs (+ ref, values)",
         None,
-        "in-process (stages/algos)",
+        "streamed in the step: batches merge-joined\n(stages/algos), one file per batch",
         "advantages",
         DELTA,
     ),
@@ -70,7 +96,7 @@ FLOW = [
         "policy_checkpoint",
         "advantages, policy_vN",
         "ActorWorker.update(UpdateRequest)",
-        "",
+        "each rank reads its shard (WorkerGroup\nor one Ray Train run)",
         "policy_vN+1",
         CKPT,
     ),
@@ -79,7 +105,7 @@ FLOW = [
         "critic_checkpoint (gae)",
         "advantages, critic_vN",
         "CriticWorker.update_critic",
-        "",
+        "rows sent by the step",
         "critic_vN+1",
         CKPT,
     ),
@@ -88,7 +114,7 @@ FLOW = [
         "iteration_metrics",
         "the tables above, policy_vN+1",
         "RolloutWorker.generate (validation)",
-        "",
+        "metric columns streamed in the step",
         "iteration_metrics + MLflow",
         DELTA,
     ),
@@ -159,12 +185,13 @@ def draw_layers(ax) -> None:
 
 
 def draw_row(ax, y: float, h: float, row: tuple) -> None:
-    """One stage: its module box, the worker it calls (or where it runs), what it writes."""
+    """One stage: its module box, the worker it calls (or "in the step") and where its rows go, what it writes."""
     module, asset, reads, worker, where, out, kind = row
-    box(ax, 0.0, y, 0.40, h, [f"stages/{module}", f"asset {asset}; reads {reads}"], STAGE, size=11)
+    box(ax, 0.0, y, 0.36, h, [f"stages/{module}", f"asset {asset}; reads {reads}"], STAGE, size=10.5)
     mid = y + h / 2
-    box(ax, 0.45, y + 0.008, 0.28, h - 0.016, [worker or where], WORKER if worker else LOCAL, size=10.5)
-    arrow(ax, (0.40 + 0.006, mid), (0.45 - 0.006, mid))
+    lines = [worker, where] if worker else where.split(": ", 1) if ": " in where else [where]
+    box(ax, 0.41, y + 0.004, 0.32, h - 0.008, lines, WORKER if worker else LOCAL, size=10.5)
+    arrow(ax, (0.36 + 0.006, mid), (0.41 - 0.006, mid))
     arrow(ax, (0.73 + 0.006, mid), (0.78 - 0.006, mid))
     style = "round,pad=0.006,rounding_size=0.03" if kind == DELTA else "square,pad=0.006"
     box(ax, 0.78, y + 0.008, 0.22, h - 0.016, [out], kind, size=11, style=style)
@@ -173,9 +200,18 @@ def draw_row(ax, y: float, h: float, row: tuple) -> None:
 def draw_flow(ax) -> None:
     """Right panel: set-up, then one iteration top to bottom: stage module -> worker -> what it writes."""
     ax.set_title(
-        "One iteration: stage module -> worker it calls -> Delta table / checkpoint it writes",
+        "One iteration: stage -> who reads, computes and writes its rows -> Delta table / checkpoint",
         fontsize=14,
         weight="bold",
+    )
+    ax.text(
+        0.5,
+        0.978,
+        "the step (Dagster, the driver) holds table versions and file lists, never a whole table's rows, "
+        "and makes ONE Delta commit per table",
+        ha="center",
+        fontsize=10.5,
+        color="#333333",
     )
     step = 0.83 / (len(FLOW) - 1)  # the last row ends above the legend
     h = 0.75 * step
