@@ -16,7 +16,6 @@ from assets.common import (
     iteration_of,
     lineage,
     outside_dag,
-    read_recorded,
     record_checkpoint,
     run_iterations,
     timed,
@@ -86,8 +85,9 @@ def critic_checkpoint(
     cfg, it = run_config.load(), iteration_of(context)
     if skipped := outside_dag(cfg, "critic_checkpoint"):
         return skipped
-    adv, adv_version = read_recorded(context, rollout_store, "advantages", cfg.run_id, it)
-    vals, values_version = read_recorded(context, rollout_store, "values", cfg.run_id, it)
+    adv = upstream_partition(context, rollout_store, "advantages", cfg.run_id, it)  # handles: the rank reads them
+    vals = upstream_partition(context, rollout_store, "values", cfg.run_id, it)
+    adv_version, values_version = adv.version, vals.version
     ms = model_store.for_run(cfg.run_id)
     ms.retract(it + 1, "critic")
     critic_dir = require_critic(ms, it, seed=cfg.seed, needed_by=f"critic update of iteration {it}")

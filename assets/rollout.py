@@ -9,18 +9,21 @@ from assets.common import (
     check_spec,
     data_version,
     iteration_of,
+    lineage,
     outside_dag,
     read_recorded,
     run_iterations,
     timed,
+    upstream_partition,
     write_table,
 )
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
+from stages.io.stage_exec import read_columns
 from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompt_batch import build_prompt_batch
 from stages.rollout import sample_rollouts
-from stages.turns import turns_table
+from stages.turns import turns_partition
 
 
 @dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("prompt_batches"))
@@ -127,13 +130,21 @@ def turns(
     cfg, it = run_config.load(), iteration_of(context)
     if skipped := outside_dag(cfg, "turns"):
         return skipped
-    rollouts_df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
-    with timed() as t:
-        out = turns_table(rollouts_df)
+    source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
     policy = cfg.trainer.rollout_version(it)
-    v = write_table(
-        rollout_store, cfg, "turns", out, it, policy_version=policy, upstream={"rollouts": version}, duration_s=t["s"]
+    run = turns_partition(
+        source.uri,
+        rollout_store.uri("turns"),
+        run_id=cfg.run_id,
+        iteration=it,
+        version=source.version,
+        lineage=lambda s: lineage(
+            cfg, stage="turns", policy_version=policy, upstream={"rollouts": source.version}, duration_s=s
+        ),
+        data_min_rows=cfg.ray.data_min_rows,
     )
+    v = run.version
+    out = read_columns(rollout_store.uri("turns"), cfg.run_id, it, ["role", "error", "rollout_id"], version=v)
     tool = out[out["role"] == "tool"]
     return dg.MaterializeResult(
         metadata={

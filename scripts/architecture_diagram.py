@@ -105,7 +105,7 @@ FLOW = [
         "critic_checkpoint (gae)",
         "advantages, critic_vN",
         "CriticWorker.update_critic",
-        "rows sent by the step",
+        "the rank reads advantages and values",
         "critic_vN+1",
         CKPT,
     ),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from stages.io.store import open_table, read_partition
 from stages.train.critic import run_critic_update, update_rows, values_frame
 from stages.workers.group import Worker
 from stages.workers.requests import CriticUpdateRequest
@@ -32,18 +33,33 @@ class CriticWorker(Worker):
             device=self.device,
         )
 
-    def update_critic(
-        self, req: CriticUpdateRequest, advantages: pd.DataFrame, values: pd.DataFrame
-    ) -> dict[str, float]:
+    def update_critic(self, req: CriticUpdateRequest) -> dict[str, float]:
         """Train critic version req.iteration towards the advantages table's GAE returns (clipped against the
-        rollout-time values) and write version iteration + 1 to req.out_dir; returns the update metrics."""
+        rollout-time values) and write version iteration + 1 to req.out_dir; returns the update metrics. The
+        rank reads both partitions at the request's versions itself (critic_rows): no row passes the driver."""
         return run_critic_update(
             req.critic_dir,
             req.out_dir,
-            update_rows(advantages, values),
+            critic_rows(req),
             req.critic,
             n_per_prompt=req.n_per_prompt,
             seed=req.seed,
             threads=self.threads,
             device=self.device,
         )
+
+
+ADVANTAGE_COLUMNS = ["rollout_id", "prompt_token_ids", "response_token_ids", "returns", "response_mask"]
+"""What the critic update reads of the advantages table (response_mask: when the table has it)."""
+
+
+def critic_rows(req: CriticUpdateRequest) -> dict:
+    """The critic-update rows (stages.train.critic.update_rows) of req's advantages and values partitions, read at
+    their recorded versions, only the columns the update uses."""
+    names = open_table(req.advantages_uri, version=req.advantages_version).schema().to_arrow().names
+    part = (req.run_id, req.iteration)
+    advantages = read_partition(
+        req.advantages_uri, *part, version=req.advantages_version, columns=[c for c in ADVANTAGE_COLUMNS if c in names]
+    )
+    values = read_partition(req.values_uri, *part, version=req.values_version, columns=["rollout_id", "values"])
+    return update_rows(advantages, values)

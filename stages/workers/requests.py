@@ -68,3 +68,10 @@ class CriticUpdateRequest:
     n_per_prompt: int
     seed: int
     """stages.seeds.update(cfg.seed, iteration), as the policy update's."""
+    run_id: str
+    advantages_uri: str
+    """The advantages table (its GAE returns) the critic rank reads, at advantages_version."""
+    advantages_version: int
+    values_uri: str
+    """The values table (the rollout-time values the loss clips against), at values_version."""
+    values_version: int
