@@ -14,22 +14,16 @@ from assets.common import (
     data_version,
     iteration_of,
     lineage,
-    read_if,
-    read_recorded,
     run_iterations,
-    timed,
     upstream_partition,
     upstream_version,
-    write_table,
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from configs.schema import RunConfig
 from stages.advantage import uses_adaptive_kl
 from stages.advantage_stream import Upstream, stream_advantages
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
-from stages.judge import combine_judge_scores
-from stages.reward import score_partition, score_rollouts
-from stages.reward_model import combine_rm_scores, reward_model_scores
+from stages.reward import ModelScores, score_partition
 
 
 @dg.asset(
@@ -46,13 +40,12 @@ def scored_rollouts(
     ray: RayResource,
 ) -> dg.MaterializeResult:
     """Rollouts with rule-based rewards by data_source (or reward.custom_reward_function's, its extra keys as
-    columns), each row's reward_version recorded; re-materialize to re-score without regenerating. Rule and
-    custom rewards stream the partition through the stage executor (never whole in this step); a reward model
-    or judge combines in memory."""
+    columns), each row's reward_version recorded, combined with a reward model's or judge's scores when the
+    config has them; re-materialize to re-score without regenerating. The partition streams through the stage
+    executor batch by batch: never whole in this step."""
     cfg, it = run_config.load(), iteration_of(context)
     ray.ensure()
-    in_memory = cfg.reward.reward_model.enable or uses_judge(cfg)
-    v, summary = (score_in_memory if in_memory else score_streaming)(context, cfg, rollout_store, it)
+    v, summary = score_streaming(context, cfg, rollout_store, it)
     bad = int((~np.isfinite(summary["reward"])).sum())
     flag = cfg.reward.on_error == "flag"  # flagged rows are expected there: advantages drops them
     return dg.MaterializeResult(
@@ -86,8 +79,16 @@ def reward_metadata(summary) -> dict:
 
 def score_streaming(context, cfg: RunConfig, rollout_store: RolloutStoreResource, it: int):
     """(new version, SUMMARY columns): rule/custom rewards on the stage executor (stages/io/stage_exec.py),
-    the rollouts partition read at its recorded version batch by batch, ONE commit of scored_rollouts."""
+    the rollouts partition read at its recorded version batch by batch, ONE commit of scored_rollouts. With a
+    reward model or a judge each batch also gets their scores (ModelScores: the reward-model group scores the
+    batch; the judge's verdicts are the judgements partition's three scalar columns), in this process."""
     version = upstream_version(context, rollout_store, "rollouts", cfg.run_id, it)
+    judged = part = None
+    if uses_judge(cfg):
+        part = upstream_partition(context, rollout_store, "judgements", cfg.run_id, it)
+        judged = part.read(["rollout_id", "judge_score", "judge_error"])
+    models = cfg.reward.reward_model.enable or judged is not None
+    upstream = {"rollouts": version} | ({"judgements": part.version} if part is not None else {})
     run = score_partition(
         cfg.reward,
         rollout_store.uri("rollouts"),
@@ -95,33 +96,14 @@ def score_streaming(context, cfg: RunConfig, rollout_store: RolloutStoreResource
         run_id=cfg.run_id,
         iteration=it,
         version=version,
-        lineage=lambda s: lineage(
-            cfg, stage="scored_rollouts", policy_version=it, upstream={"rollouts": version}, duration_s=s
-        ),
+        lineage=lambda s: lineage(cfg, stage="scored_rollouts", policy_version=it, upstream=upstream, duration_s=s),
         max_response_length=cfg.data.max_response_length,
         data_min_rows=cfg.ray.data_min_rows,
+        then=ModelScores(cfg, judged) if models else None,
     )
     context.log.info(f"scored {run.rows} rollouts ({'Ray Data' if run.mode == 'ray' else 'in-process, streamed'})")
     summary, _ = rollout_store.read("scored_rollouts", cfg.run_id, it, version=run.version, columns=SUMMARY)
     return run.version, summary
-
-
-def score_in_memory(context, cfg: RunConfig, rollout_store: RolloutStoreResource, it: int):
-    """(new version, SUMMARY columns): rule rewards combined with a reward model's or a judge's scores, the
-    partition in memory (the reward-model and judge groups take whole frames)."""
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
-    judged, judged_version = read_if(uses_judge(cfg), context, rollout_store, "judgements", cfg.run_id, it)
-    with timed() as t:
-        scored = score_rollouts(df, cfg.reward, max_response_length=cfg.data.max_response_length)
-        if cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
-            scored = combine_rm_scores(scored, reward_model_scores(cfg, df), cfg.reward.reward_model.combine)
-        if judged is not None:  # a generative judge's verdicts (stages/judge.py)
-            scored = combine_judge_scores(scored, judged, cfg.reward.judge.combine)
-    upstream = {"rollouts": version, "judgements": judged_version}
-    v = write_table(
-        rollout_store, cfg, "scored_rollouts", scored, it, policy_version=it, upstream=upstream, duration_s=t["s"]
-    )
-    return v, scored[SUMMARY]
 
 
 @dg.asset(

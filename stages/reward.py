@@ -25,12 +25,13 @@ import functools
 import inspect
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 import torch
 
-from configs.schema import RewardConfig
+from configs.schema import RewardConfig, RunConfig
 from stages.algos.dapo import overlong_reward_penalty
 from stages.data import custom_reward as custom_reward_module
 from stages.data.custom_reward import (
@@ -49,6 +50,8 @@ from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import Scorer, scorer_for
 from stages.io.stage_exec import Lineage, StageRun, read_columns, run_table_stage
 from stages.io.tables import SCHEMAS
+from stages.judge import combine_judge_scores
+from stages.reward_model import combine_rm_scores, reward_model_scores
 from stages.workers.tasks import map_with_tasks
 
 _OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names)
@@ -242,16 +245,40 @@ def reward_stage(reward_cfg: RewardConfig, data_sources, *, max_response_length:
     )
 
 
+Combine = Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]
+"""then(scored block, its rollouts) -> the block with model scores combined into `reward` (ModelScores)."""
+
+
 class ScoreBatch:
     """A stage executor's batch callable (stages/io/stage_exec.py): one block of rollouts scored, in rollout_id
-    order, its extra-key columns typed (what score_rollouts gives for the whole partition, per block)."""
+    order, its extra-key columns typed (what score_rollouts gives for the whole partition, per block); `then`
+    combines a reward model's or a judge's scores into it (ModelScores)."""
 
-    def __init__(self, stage: RewardStage) -> None:
-        self.stage = stage
+    def __init__(self, stage: RewardStage, then: Combine | None = None) -> None:
+        self.stage, self.then = stage, then
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        scored = self.stage(batch.sort_values("rollout_id").reset_index(drop=True))
-        return typed_extras(scored)
+        rows = batch.sort_values("rollout_id").reset_index(drop=True)
+        scored = typed_extras(self.stage(rows))
+        return scored if self.then is None else self.then(scored, rows)
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """The model rewards of a block after its rule scores, as score_in_memory combined them for the whole
+    partition: the reward model's (reward.reward_model, its group scores the block's rollouts) and then the
+    judge's verdicts (`judgements`: rollout_id, judge_score, judge_error of the partition; None: no judge)."""
+
+    cfg: RunConfig
+    judgements: pd.DataFrame | None = None
+
+    def __call__(self, scored: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+        if self.cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
+            rm = reward_model_scores(self.cfg, rows)
+            scored = combine_rm_scores(scored, rm, self.cfg.reward.reward_model.combine)
+        if self.judgements is not None:  # a generative judge's verdicts (stages/judge.py)
+            scored = combine_judge_scores(scored, self.judgements, self.cfg.reward.judge.combine)
+        return scored
 
 
 def score_rollouts(
@@ -280,15 +307,17 @@ def score_partition(
     lineage: Lineage,
     max_response_length: int | None = None,
     data_min_rows: int | None = None,
+    then: Combine | None = None,
 ) -> StageRun:
     """The scored_rollouts stage on the stage executor: partition (run_id, iteration) of the rollouts table at
     `source_uri` as of `version`, scored block by block (ScoreBatch) and written as that partition of
     scored_rollouts at `target_uri` in one commit; in this process, or on Ray Data from `data_min_rows` rows.
-    Only the data_source column is read here whole (the checks of reward_stage)."""
+    Only the data_source column is read here whole (the checks of reward_stage). `then` (ModelScores): each block
+    also goes to the reward model's or judge's combination, in this process (it calls the run's model groups)."""
     sources = read_columns(source_uri, run_id, iteration, ["data_source"], version=version)["data_source"].unique()
     stage = reward_stage(reward_cfg, sources, max_response_length=max_response_length)
     return run_table_stage(
-        ScoreBatch(stage),
+        ScoreBatch(stage, then),
         source_uri,
         target_uri,
         "scored_rollouts",
@@ -296,7 +325,7 @@ def score_partition(
         iteration=iteration,
         version=version,
         lineage=lineage,
-        data_min_rows=data_min_rows,
+        data_min_rows=data_min_rows if then is None else None,
     )
 
 
