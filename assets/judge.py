@@ -1,22 +1,24 @@
 """The generative judge's verdicts on each iteration's training rollouts (reward.judge, LLM-as-judge)."""
 
 import dagster as dg
-import numpy as np
 
 from assets.common import (
     ROLLOUT,
     asset_deps,
     data_version,
     iteration_of,
+    lineage,
     outside_dag,
-    read_recorded,
     run_iterations,
     timed,
-    write_table,
+    upstream_partition,
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
+from stages.io.checkpoints import model_version
 from stages.io.tables import PROMPTS_ITERATION
 from stages.judge import judge_rollouts
+from stages.workers.shard_io import Sink
+from stages.workers.sharded import commit_shards
 
 
 @dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"ray", "delta"}, deps=asset_deps("judgements"))
@@ -30,23 +32,25 @@ def judgements(
     cfg, it = run_config.load(), iteration_of(context)
     if skipped := outside_dag(cfg, "judgements"):
         return skipped
-    df, version = read_recorded(context, rollout_store, "rollouts", cfg.run_id, it)
-    prompts, _ = rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION, columns=["prompt_id", "prompt"])
+    source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
+    prompts = upstream_partition(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     ray.ensure()
+    sink = Sink(rollout_store.uri("judgements"), "judgements", cfg.run_id, it)
     with timed() as t:
-        out = judge_rollouts(cfg, df, prompts, it).assign(policy_version=it)
-    v = write_table(
-        rollout_store, cfg, "judgements", out, it, policy_version=it, upstream={"rollouts": version}, duration_s=t["s"]
-    )
-    scores = out["judge_score"].to_numpy(dtype=np.float64)
+        results = judge_rollouts(cfg, source, prompts, it, sink=sink)  # the judge ranks read and write the rows
+    meta = lineage(cfg, stage="judgements", policy_version=it, upstream={"rollouts": source.version}, duration_s=t["s"])
+    v = commit_shards(sink, results, meta)
+    parts = [r.summary for r in results]
+    parsed = sum(p["score_n"] for p in parts)
+    sample = next((p["sample"] for p in parts if p["sample"] is not None), None)
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,
-            "rollouts": len(out),
-            "judge_unparsed": int(np.isnan(scores).sum()),
-            "judge_score_mean": float(np.nanmean(scores)) if np.isfinite(scores).any() else float("nan"),
-            "judge_model": str(out["judge_model"].iloc[0]) if len(out) else "",
-            "sample_verdict": dg.MetadataValue.md(f"```\n{out['judge_output'].iloc[0][:500]}\n```") if len(out) else "",
+            "rollouts": sum(p["rows"] for p in parts),
+            "judge_unparsed": sum(p["unparsed"] for p in parts),
+            "judge_score_mean": sum(p["score_sum"] for p in parts) / parsed if parsed else float("nan"),
+            "judge_model": model_version(cfg.reward.judge.model_path),
+            "sample_verdict": dg.MetadataValue.md(f"```\n{sample[:500]}\n```") if sample is not None else "",
             "judge_s": t["s"],
         },
         data_version=data_version("judgements", v),

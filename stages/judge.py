@@ -2,10 +2,11 @@
 question, response and ground truth through reward.judge.prompt_template and writes a verdict; the
 first capture group of reward.judge.score_regex in the verdict is the rollout's judge_score.
 
-Flow: assets/judge.py `judgements` -> `judge_rollouts(cfg, rollouts, questions)`, which builds the judge
-prompts (chat template of the judge's tokenizer), splits them over the run's "judge" worker group —
-RolloutWorkers (stages/workers/rollout_worker.py), the same engine hosts as rollouts (rollout.name: HF or
-vLLM), holding the judge checkpoint for the whole run — and parses the verdicts. The `judgements` table
+Flow: assets/judge.py `judgements` -> `judge_rollouts(cfg, rollouts, prompts, iteration, sink)`: each rank of
+the run's "judge" worker group — RolloutWorkers (stages/workers/rollout_worker.py), the same engine hosts as
+rollouts (rollout.name: HF or vLLM), holding the judge checkpoint for the whole run — reads its slice of the
+rollouts partition, builds its judge prompts (chat template of the judge's tokenizer), generates, parses the
+verdicts and writes its rows; the asset commits them once (stages/workers/sharded.py). The `judgements` table
 keeps every prompt, raw verdict, parsed score and parse error with lineage; the scored_rollouts stage
 combines judge_score with the rule reward (`combine_judge_scores`: replace or add).
 
@@ -16,20 +17,27 @@ reward 0; add: the rule reward alone). The count is in the asset's metadata (`ju
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 
 from configs.schema import JudgeConfig, RunConfig
 from stages import seeds
 from stages.io.checkpoints import model_version
+from stages.io.stage_exec import Partition
+from stages.io.store import read_partition
 from stages.models.engines import SamplingSpec
 from stages.models.policy import encode_chat, load_tokenizer
 from stages.workers.group import WorkerGroup, engine_threads, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
-from stages.workers.sharded import local_group, sharded_call
+from stages.workers.shard_io import ShardResult, Sink
+from stages.workers.sharded import local_group, sharded_run
 
 JUDGE_COLUMNS = ("judge_score", "judge_error")
 """What the judge adds to each scored_rollouts row."""
@@ -87,21 +95,85 @@ def judge_group(
     )
 
 
-def judge_rollouts(
-    cfg: RunConfig, rollouts: pd.DataFrame, prompts: pd.DataFrame | None, iteration: int, *, use_ray: bool = True
-) -> pd.DataFrame:
-    """The judgements table rows of an iteration's rollouts: rollout_id, judge_prompt, judge_output,
-    judge_score (null when unparsed), judge_error, judge_model (the checkpoint's identity), by rollout_id."""
-    judge = cfg.reward.judge
-    tok = load_tokenizer(judge.model_path)
-    rows = rollouts.assign(question=questions_of(rollouts, prompts)).sort_values("rollout_id")
-    texts = judge_prompt_texts(rows, judge.prompt_template)
-    batch = pd.DataFrame(
+READ_COLUMNS = ("rollout_id", "prompt_id", "prompt_text", "response_text", "ground_truth")
+"""What a judge rank reads of the rollouts."""
+
+
+@dataclass(frozen=True)
+class JudgeInputs:
+    """On the rank (sharded_run's `prepare`): the judge's prompts of the rollouts it read, in rollout_id order:
+    prompt_id = rollout_id (the engine seeds a shard by its first prompt_id), the chat-templated prompt token ids,
+    and judge_prompt (the filled template). `prompts`: the prompts table's partition (the rank reads the rows of
+    its prompt ids), or its rows, or None (the questions are the rollouts' prompt_text)."""
+
+    model_path: str
+    template: str
+    prompts: Partition | pd.DataFrame | None
+
+    def questions(self, rows: pd.DataFrame) -> pd.Series:
+        prompts = self.prompts
+        if isinstance(prompts, Partition) and len(rows):
+            ids = pc.field("prompt_id").isin(rows["prompt_id"].unique())
+            prompts = read_partition(
+                prompts.uri, prompts.run_id, prompts.iteration, version=prompts.version,
+                columns=["prompt_id", "prompt"], filters=ids,
+            )  # fmt: skip
+        return questions_of(rows, None if isinstance(prompts, Partition) else prompts)
+
+    def __call__(self, rows: pd.DataFrame) -> pd.DataFrame:
+        rows = rows.assign(question=self.questions(rows)).sort_values("rollout_id")
+        texts = judge_prompt_texts(rows, self.template)
+        tok = load_tokenizer(self.model_path)
+        return pd.DataFrame(
+            {
+                "prompt_id": rows["rollout_id"].to_numpy(),
+                "prompt_token_ids": [encode_chat(tok, [{"role": "user", "content": t}])[0] for t in texts],
+                "judge_prompt": texts,
+            }
+        )
+
+
+def finish_judgements(
+    batch: pd.DataFrame, out: pd.DataFrame, *, score_regex: str, judge_model: str, policy_version: int
+) -> tuple[pd.DataFrame, dict]:
+    """On the rank: the judgements rows of its rollouts (rollout_id, judge_prompt, judge_output, judge_score: null
+    when unparsed, judge_error, judge_model, policy_version) in rollout_id order, and a summary for the asset:
+    rows, unparsed verdicts, the parsed scores' sum and count, the first verdict."""
+    verdicts = dict(zip(out["prompt_id"], out["response_text"], strict=True))
+    ids = batch["prompt_id"].to_numpy()  # = rollout_id (JudgeInputs)
+    outputs = [verdicts[int(rid)] for rid in ids]
+    parsed = [parse_verdict(text, score_regex) for text in outputs]
+    scores = np.asarray([np.nan if s is None else s for s, _ in parsed], dtype=np.float64)
+    rows = pd.DataFrame(
         {
-            "prompt_id": rows["rollout_id"].to_numpy(),  # the engine seeds a shard by its first prompt_id
-            "prompt_token_ids": [encode_chat(tok, [{"role": "user", "content": t}])[0] for t in texts],
+            "rollout_id": ids,
+            "judge_prompt": batch["judge_prompt"].to_numpy(),
+            "judge_output": outputs,
+            "judge_score": scores,
+            "judge_error": [e for _, e in parsed],
+            "judge_model": judge_model,
+            "policy_version": policy_version,
         }
     )
+    kept = scores[np.isfinite(scores)]
+    summary = {"rows": len(rows), "unparsed": int(np.isnan(scores).sum()), "score_sum": float(kept.sum())}
+    return rows, summary | {"score_n": int(kept.size), "sample": outputs[0] if outputs else None}
+
+
+def judge_rollouts(
+    cfg: RunConfig,
+    rollouts: Partition | pd.DataFrame,
+    prompts: Partition | pd.DataFrame | None,
+    iteration: int,
+    *,
+    sink: Sink | None = None,
+    use_ray: bool = True,
+) -> list[ShardResult]:
+    """The judgements of an iteration's rollouts on the run's "judge" group: each rank reads its slice of the
+    rollouts (a Partition handle) or gets its rows, builds its judge prompts (JudgeInputs), generates the verdicts,
+    parses them (finish_judgements) and, with a sink, writes its rows. Contiguous slices in rollout_id order, so
+    each rank's engine seed is the one the whole-frame call gave it."""
+    judge = cfg.reward.judge
     spec = SamplingSpec(
         temperature=judge.temperature,
         max_tokens=judge.max_tokens,
@@ -109,27 +181,29 @@ def judge_rollouts(
         seed=seeds.judge(cfg.rollout.seed, iteration),
         greedy=judge.temperature == 0.0,
     )
-    out = sharded_call(
+    finish = functools.partial(
+        finish_judgements,
+        score_regex=judge.score_regex,
+        judge_model=model_version(judge.model_path),
+        policy_version=iteration,
+    )
+    if isinstance(rollouts, pd.DataFrame):
+        rollouts = rollouts.sort_values("rollout_id").reset_index(drop=True)
+    if isinstance(prompts, Partition) and prompts.version is not None:  # a plain int crosses to the ranks
+        prompts = dataclasses.replace(prompts, version=int(prompts.version))
+    return sharded_run(
         lambda: (
             judge_group(judge, cfg.rollout.name, GpuPool.of(cfg.trainer), cfg.rollout.gpu_memory_utilization)
             if use_ray
             else local_group(RolloutWorker, engine_threads(1), engine=cfg.rollout.name)
         ),
         RolloutWorker.generate,
-        batch,
+        rollouts,
         lambda shard: (judge.model_path, shard, spec),
-    )
-    verdicts = dict(zip(out["prompt_id"], out["response_text"], strict=True))
-    parsed = [parse_verdict(verdicts[int(rid)], judge.score_regex) for rid in rows["rollout_id"]]
-    return pd.DataFrame(
-        {
-            "rollout_id": rows["rollout_id"].to_numpy(),
-            "judge_prompt": texts,
-            "judge_output": [verdicts[int(rid)] for rid in rows["rollout_id"]],
-            "judge_score": [np.nan if s is None else s for s, _ in parsed],
-            "judge_error": [e for _, e in parsed],
-            "judge_model": model_version(judge.model_path),
-        }
+        columns=READ_COLUMNS,
+        sink=sink,
+        finish=finish,
+        prepare=JudgeInputs(judge.model_path, judge.prompt_template, prompts),
     )
 
 

@@ -142,12 +142,18 @@ class Worker:
         return os.getpid()
 
     def run_shard(
-        self, method: str, args: tuple, source, sink: shard_io.Sink | None, finish: shard_io.Finish | None
+        self,
+        method: str,
+        args: tuple,
+        source,
+        sink: shard_io.Sink | None,
+        finish: shard_io.Finish | None,
+        prepare: shard_io.Prepare | None = None,
     ) -> shard_io.ShardResult:
         """This rank's part of a sharded stage (stages/workers/sharded.py): read `source` (its slice of a Delta
-        partition, or rows sent along), call self.<method>(*args) with them in place of SHARD, and write the
+        partition, or rows sent along; `prepare`d), call self.<method>(*args) with them in place of SHARD, and write the
         output through `sink` from here (stages/workers/shard_io.py)."""
-        return shard_io.run_shard(self, method, args, source, sink, finish)
+        return shard_io.run_shard(self, method, args, source, sink, finish, prepare)
 
 
 def _method_name(worker_cls: type, method: Callable) -> str:

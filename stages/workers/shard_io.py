@@ -123,10 +123,18 @@ class ShardResult:
     summary: Any = None
 
 
-def run_shard(worker, method: str, args: tuple, source, sink: Sink | None, finish: Finish | None) -> ShardResult:
-    """On the rank: read `source`, call worker.<method>(*args) with the rows in place of SHARD, `finish`, then
-    write through `sink` (or send the rows back)."""
+Prepare = Callable[[pd.DataFrame], pd.DataFrame]
+"""prepare(rows the rank read) -> what the method takes in place of SHARD (e.g. the judge's prompts built from the
+rollouts); `finish` then gets the prepared rows."""
+
+
+def run_shard(
+    worker, method: str, args: tuple, source, sink: Sink | None, finish: Finish | None, prepare: Prepare | None = None
+) -> ShardResult:
+    """On the rank: read `source` (and `prepare` the rows), call worker.<method>(*args) with them in place of
+    SHARD, `finish`, then write through `sink` (or send the rows back)."""
     frame = source.read()
+    frame = prepare(frame) if prepare is not None else frame
     out = getattr(worker, method)(*[frame if isinstance(a, ShardMarker) else a for a in args])
     out, summary = finish(frame, out) if finish is not None else (out, None)
     if sink is None:

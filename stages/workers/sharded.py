@@ -25,7 +25,7 @@ import pandas as pd
 from stages.io import dataset_io, store
 from stages.io.stage_exec import Lineage, Partition, partition_rows
 from stages.workers.group import Worker, WorkerGroup, _method_name, call_with_retry
-from stages.workers.shard_io import SHARD, Finish, Rows, ShardMarker, ShardResult, Sink, Slice
+from stages.workers.shard_io import SHARD, Finish, Prepare, Rows, ShardMarker, ShardResult, Sink, Slice
 from stages.workers.tasks import split_frame
 
 R = TypeVar("R")
@@ -109,14 +109,15 @@ def sharded_run(
     columns: tuple[str, ...] | None = None,
     sink: Sink | None = None,
     finish: Finish | None = None,
+    prepare: Prepare | None = None,
     every_rank: bool = False,
     retries: int = 1,
 ) -> list[ShardResult]:
     """method(*args_of_shard(SHARD)) on the group's ranks, rank i on the i-th contiguous shard of `source`: a
     frame's rows sent along, or (a Partition handle) rows [start, stop) of the partition at its version, which
-    the rank reads itself (`columns` of it; None: all). With a `sink` each rank writes its output as one Parquet file of
-    the sink's partition (commit them with commit_shards); `finish` post-processes on the rank. One ShardResult
-    per called rank, in rank order.
+    the rank reads itself (`columns` of it; None: all). With a `sink` each rank writes its output as one Parquet
+    file of the sink's partition (commit them with commit_shards); `prepare` and `finish` pre- and post-process
+    on the rank. One ShardResult per called rank, in rank order.
 
     Shards: min(ranks, rows) non-empty ones, the first ranks only; every_rank: one per rank, the last ones empty
     when rows are fewer than ranks (e.g. the trainer ranks must all take part). An actor that died: the group is
@@ -127,7 +128,7 @@ def sharded_run(
     def run(group: WorkerGroup | LocalGroup) -> list[ShardResult]:
         _method_name(group.worker_cls, method)  # a typo fails here, not on the rank
         shards = _sources(source, columns, group.num_workers, every_rank)
-        per_rank = [(name, args_of_shard(SHARD), shard, sink, finish) for shard in shards]
+        per_rank = [(name, args_of_shard(SHARD), shard, sink, finish, prepare) for shard in shards]
         try:
             return group.call_each(Worker.run_shard, per_rank)
         finally:

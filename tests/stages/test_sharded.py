@@ -120,9 +120,9 @@ def test_judge_on_a_local_group_equals_the_judge_group(ray_session, tiny_checkpo
             "ground_truth": ["2", "4", "4"],
         }
     )
-    local = judge_rollouts(cfg, rollouts, None, 0, use_ray=False)
+    local = shard_frames(judge_rollouts(cfg, rollouts, None, 0, use_ray=False))
     try:
-        remote = judge_rollouts(cfg, rollouts, None, 0)
+        remote = shard_frames(judge_rollouts(cfg, rollouts, None, 0))
     finally:
         shutdown_worker_groups()
     assert local["rollout_id"].tolist() == [0, 1, 2]
