@@ -30,7 +30,9 @@ class RunProgress:
     ) -> None:
         # a duplicate of the terminal's stdout, taken before any Dagster run: execute_in_process captures
         # fd 1 into its compute logs while a step runs, which froze the live display for whole stages
-        self.console = console or Console(file=_own_stdout(), highlight=False)
+        self.console = console or Console(
+            file=_own_stdout(), highlight=False, emoji=False
+        )  # run ids like ":O:" stay text
         self.live = self.console.is_terminal if live is None else live
         self._log = log
         self._bar: Progress | None = None
@@ -46,9 +48,9 @@ class RunProgress:
         if self._log is not None:
             self._log(text)
         elif self._bar is not None:
-            self._bar.console.print(text, markup=False)
+            self._bar.console.print(text, markup=False, emoji=False)
         else:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True, emoji=False)
 
     # -- the live display --------------------------------------------------------------------
     def __enter__(self) -> RunProgress:
