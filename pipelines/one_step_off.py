@@ -56,33 +56,50 @@ def run_one_step_off(
     tags: dict[str, str],
     run_config: dict,
     execute: Callable[..., dg.ExecuteInProcessResult],
+    retry: Callable[[Callable[[int], Iterator[tuple[int, dict]]]], list[dict]] | None = None,
 ) -> list[dict]:
     """Iterations first..total-1 with generation one iteration ahead of training; returns iteration_metrics'
     metadata per iteration. tags, run_config: what every run of this `rlake train` carries (pipelines.runner);
     execute(job, instance, progress | None, tags=, run_config=, partition=, asset_selection=) is the runner's
-    in-process launch."""
+    in-process launch; retry(iterations) runs iterations(start) from `first`, re-running from the last
+    committed checkpoint an iteration that lost a worker (pipelines.runner.with_iteration_retries; None: no
+    retries). A re-run starts with that iteration's generation again."""
     runs = _PhaseRuns(defs.resolve_job_def(ITERATION_JOB), instance, cfg, tags, run_config, execute)
-    history: list[dict] = []
     if first >= total:
-        return history
+        return []
     with concurrent_runs(instance), ThreadPoolExecutor(1, thread_name_prefix="rlake-generate") as pool:
-        seconds = runs.generate(first)
-        progress.line(f"  rollouts of iteration {first} (policy v{cfg.trainer.rollout_version(first)}): {seconds:.1f}s")
-        for it in range(first, total):
-            t1 = time.perf_counter()
-            ahead = pool.submit(runs.generate, it + 1) if it + 1 < total else None
-            try:
-                res = runs.train(it, progress)
-            finally:
-                _wait(ahead)  # a thread cannot be stopped: let the generation end before anything is raised
-            history.append(asset_metadata(res, "iteration_metrics"))
-            progress.iteration_done(it, time.perf_counter() - t1, fmt_items(history[-1], ""))
-            if ahead is not None:
-                progress.line(
-                    f"  rollouts of iteration {it + 1} (policy v{cfg.trainer.rollout_version(it + 1)}) beside "
-                    f"the update: {ahead.result():.1f}s"
-                )
-    return history
+
+        def iterations(start: int) -> Iterator[tuple[int, dict]]:
+            return _overlapped(runs, pool, start, total, progress)
+
+        if retry is not None:
+            return retry(iterations)
+        return [meta for _, meta in iterations(first)]
+
+
+def _overlapped(
+    runs: _PhaseRuns, pool: ThreadPoolExecutor, first: int, total: int, progress: RunProgress
+) -> Iterator[tuple[int, dict]]:
+    """The generation run of `first`, then per iteration its training run beside the next one's generation run;
+    yields (iteration, iteration_metrics' metadata) as each training run ends."""
+    cfg = runs.cfg
+    seconds = runs.generate(first)
+    progress.line(f"  rollouts of iteration {first} (policy v{cfg.trainer.rollout_version(first)}): {seconds:.1f}s")
+    for it in range(first, total):
+        t1 = time.perf_counter()
+        ahead = pool.submit(runs.generate, it + 1) if it + 1 < total else None
+        try:
+            res = runs.train(it, progress)
+        finally:
+            _wait(ahead)  # a thread cannot be stopped: let the generation end before anything is raised
+        meta = asset_metadata(res, "iteration_metrics")
+        progress.iteration_done(it, time.perf_counter() - t1, fmt_items(meta, ""))
+        yield it, meta
+        if ahead is not None:  # its error (a lost rollout worker) raises here, once iteration `it` is recorded
+            progress.line(
+                f"  rollouts of iteration {it + 1} (policy v{cfg.trainer.rollout_version(it + 1)}) beside "
+                f"the update: {ahead.result():.1f}s"
+            )
 
 
 class _PhaseRuns:

@@ -15,12 +15,13 @@ never one a process elsewhere is still running (`_fail_stale_runs`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -215,27 +216,52 @@ def _run_jobs(
     progress.start_iterations(plan.start_iteration, total)
     with frozen_heap():
         if cfg.trainer.async_mode == "one_step_off":
-            kw = {"tags": tags, "run_config": run_config, "execute": _execute}
+            retry = functools.partial(with_iteration_retries, cfg, plan.start_iteration, total, progress)
+            kw = {"tags": tags, "run_config": run_config, "execute": _execute, "retry": retry}
             return setup, run_one_step_off(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
         kw = {"tags": tags, "run_config": run_config}
         return setup, _run_iterations(defs, instance, cfg, plan.start_iteration, total, progress, **kw)
 
 
 def _run_iterations(defs, instance, cfg: RunConfig, start: int, total: int, progress: RunProgress, **kw) -> list[dict]:
-    """Iterations start..total-1, one iteration job each; returns iteration_metrics' metadata per iteration.
+    """Iterations start..total-1, one iteration job each, with iteration retries (with_iteration_retries);
+    returns iteration_metrics' metadata per iteration."""
+
+    def iterations(first: int) -> Iterator[tuple[int, dict]]:
+        for it in range(first, total):
+            t1 = time.perf_counter()
+            meta = _run_iteration(defs, instance, cfg, it, progress, **kw)
+            progress.iteration_done(it, time.perf_counter() - t1, fmt_items(meta, ""))
+            yield it, meta
+
+    return with_iteration_retries(cfg, start, total, progress, iterations)
+
+
+def with_iteration_retries(
+    cfg: RunConfig,
+    start: int,
+    total: int,
+    progress: RunProgress,
+    iterations: Callable[[int], Iterator[tuple[int, dict]]],
+) -> list[dict]:
+    """Run iterations(first), which yields (iteration, iteration_metrics' metadata) as each iteration finishes,
+    from `start` until `total`; returns the metadata per iteration, in order. Both loops use it: one job per
+    iteration (_run_iterations) and one_step_off's overlapped generation and training runs.
 
     An iteration that lost a worker (is_worker_loss: a node died, a placement group found no capacity) is re-run
     from the last committed checkpoint on rebuilt workers, up to trainer.max_iteration_retries times in a row
-    (recover_iteration); then, or on any other error, the run stops (a lost worker: NodeLossError naming the
-    resume command). Every table write replaces its partition, so a re-run iteration leaves each row once."""
+    (recover_iteration; one_step_off regenerates that iteration's rollouts first); then, or on any other error,
+    the run stops (a lost worker: NodeLossError naming the resume command). Every table write replaces its
+    partition, so a re-run iteration leaves each row once."""
     from stages.workers.faults import is_worker_loss  # noqa: PLC0415 - Ray, imported once a run iterates
 
     history: dict[int, dict] = {}
     it, failures = start, 0
     while it < total:
-        t1 = time.perf_counter()
         try:
-            history[it] = _run_iteration(defs, instance, cfg, it, progress, **kw)
+            for done, meta in iterations(it):
+                history[done] = meta
+                it, failures = done + 1, 0
         except Exception as exc:
             if not is_worker_loss(exc):
                 raise
@@ -243,9 +269,6 @@ def _run_iterations(defs, instance, cfg: RunConfig, start: int, total: int, prog
             if failures > cfg.trainer.max_iteration_retries:
                 raise NodeLossError(_give_up_message(cfg, it, failures, exc)) from exc
             it = recover_iteration(cfg, it, total, failures, exc, progress)
-            continue
-        progress.iteration_done(it, time.perf_counter() - t1, fmt_items(history[it], ""))
-        it, failures = it + 1, 0
     return [history[i] for i in sorted(history)]
 
 

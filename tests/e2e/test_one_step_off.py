@@ -55,6 +55,25 @@ def killed_and_resumed(tmp_path_factory) -> Path:
     return out
 
 
+def test_a_lost_trainer_is_retried_then_the_run_exits_with_the_resume_command(tmp_path) -> None:
+    """one_step_off takes the same iteration retries as a sync run: the trainer group finds no capacity (a resource
+    no node has) within ray.placement_timeout_s, so iteration 0 is re-run once from the last committed
+    checkpoint, its rollouts generated again first, then `rlake train` exits 1 with the command that resumes."""
+    out = tmp_path / "no_capacity"
+    extra = [
+        "ray.resources_per_worker={actor: {CPU: 1, rlake_test_absent: 1}}",
+        "ray.placement_timeout_s=2",
+        "trainer.max_iteration_retries=1",
+    ]
+    assert launch(out, [*CMD, *SETS, *extra]).wait(timeout=600) == 1, _tail(out)
+    log = (tmp_path / "no_capacity.log").read_text(errors="replace")
+    assert "iteration 0 lost a worker (PlacementTimeoutError: placement group rlake:O:actor" in log, log[-4000:]
+    assert "retry 1 of trainer.max_iteration_retries=1" in log, log[-4000:]
+    assert log.count("rollouts of iteration 0 (policy v0):") == 2, log[-4000:]  # regenerated before the re-run
+    assert "lost a worker 2 times in a row (trainer.max_iteration_retries=1)" in log, log[-4000:]
+    assert "rlake train --config <your config> --run-id O" in log, log[-4000:]
+
+
 def _rows(out: Path, table: str, it: int, sort: str):
     return store.read_partition(str(out / "tables" / table), RUN, it).sort_values(sort).reset_index(drop=True)
 
