@@ -29,6 +29,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import ray
 import ray.data
 from deltalake import CommitProperties, DeltaTable
 from deltalake import Schema as DeltaSchema
@@ -147,6 +148,7 @@ def write_block(df: pd.DataFrame, *, uri: str, options: dict | None, name: str, 
             "stats": [_stats(table)],
             "schema": [table.schema.serialize().to_pybytes()],
             "sets": [json.dumps(sets)],
+            "node": [ray.get_runtime_context().get_node_id() if ray.is_initialized() else None],
         }
     )
 
@@ -187,6 +189,7 @@ def write_partition_dataset(
         batch_format="pandas",
         batch_size=None,
         fn_kwargs={"uri": uris.target(uri), "options": options, "name": name, "run_id": run_id, "iteration": iteration},
+        scheduling_strategy="SPREAD",
     ).to_pandas()  # one small row per written file: the only thing that reaches the caller
     files = files[files["rows"] > 0] if "rows" in files else files  # no block at all: no columns either
     if not len(files):
@@ -213,7 +216,11 @@ def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration,
         AddAction(path=p, size=int(s), partition_values=parts, modification_time=now, data_change=True, stats=st)
         for p, s, st in zip(files["path"], files["size"], files["stats"], strict=True)
     ]
-    props = CommitProperties(custom_metadata=_commit_metadata(name, run_id, iteration, lineage, sets))
+    nodes = sorted({n for n in files.get("node", pd.Series(dtype=object)) if isinstance(n, str)})
+    meta = _commit_metadata(name, run_id, iteration, lineage, sets)
+    if nodes:  # the Ray nodes whose tasks or ranks wrote the files: where the stage's work ran
+        meta[LINEAGE_PREFIX + "write_nodes"] = json.dumps(nodes)
+    props = CommitProperties(custom_metadata=meta)
     path, opts = _open(uri, storage_options)
     if not DeltaTable.is_deltatable(path, storage_options=opts):
         create_table_with_add_actions(

@@ -17,6 +17,7 @@ metadata as store.write_partition, so readers, lineage walks, replay and resume 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -238,13 +239,28 @@ def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iter
     return write_frames(frames, target, name, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts)
 
 
-def _run_ray(fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts) -> int:
-    """Ray Data: read tasks, map_batches(fn) and write tasks on the workers; one commit here."""
+def cpu_nodes() -> int:
+    """Alive Ray nodes that have CPUs (a cluster's head started with num_cpus=0 does not count); 1 without Ray."""
+    import ray  # noqa: PLC0415 - only the Ray Data mode needs it, and it has Ray running
+
+    if not ray.is_initialized():
+        return 1
+    return max(1, sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0))
+
+
+def _run_ray(
+    fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts, rows: int
+) -> int:
+    """Ray Data: read tasks, map_batches(fn) and write tasks on the workers; one commit here. The rows are cut into
+    at least one block per CPU node (a driver-written partition is one file, one block) and the map and write
+    tasks SPREAD over the nodes, so every node with CPUs scores a part (the commit records the writing nodes)."""
     ds = dataset_io.read_partition_dataset(source, run_id, iteration, version=version, storage_options=opts)
-    ds = ds.map_batches(
+    blocks = max(1, min(rows, max(cpu_nodes(), -(-rows // BATCH_ROWS))))
+    ds = ds.repartition(blocks).map_batches(
         lambda df: fn(df.drop(columns=[c for c in dataset_io.KEYS if c in df.columns])),
         batch_format="pandas",
-        batch_size=BATCH_ROWS,
+        batch_size=None,
+        scheduling_strategy="SPREAD",
     )
     return dataset_io.write_partition_dataset(
         ds, target, name, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts
@@ -273,7 +289,7 @@ def run_table_stage(
     if not rows:
         raise store.missing_partition_error(source_uri, version, run_id, iteration)
     mode = choose_mode(rows, data_min_rows)
-    run = _run_ray if mode == "ray" else _run_local
+    run = functools.partial(_run_ray, rows=rows) if mode == "ray" else _run_local
     v = run(
         fn,
         source_uri,

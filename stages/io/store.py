@@ -376,7 +376,7 @@ def lineage_of(entry: dict[str, Any], version: int) -> dict[str, Any] | None:
     meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
     if not meta:
         return None
-    for key in ("upstream", *COMMIT_SETS.values()):
+    for key in ("upstream", "write_nodes", *COMMIT_SETS.values()):
         if key in meta:
             meta[key] = json.loads(meta[key])
     return {"version": version, "timestamp": entry.get("timestamp"), **meta}

@@ -61,7 +61,7 @@ class Env:
         self.dagster_pg = self.pg.create_db("dagster")
         self.cluster = RayCluster(workdir / "ray")
         self.cluster.start_head(num_cpus=0)
-        self.cluster.add_node("a", 2, {"trainer_node": 1})
+        self.cluster.add_node("a", 3, {"trainer_node": 1})  # 2 CPUs for the 2 trainer ranks, 1 for data tasks
         self.cluster.add_node("b", 2, {"rollout_node": 1})
 
     def overrides(self) -> list[str]:
@@ -71,6 +71,7 @@ class Env:
             "ray.num_cpus=null",
             "ray.runtime_env={env_vars_from: [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY]}",
             "ray.resources_per_worker={actor: {CPU: 1, trainer_node: 0.5}, rollout: {CPU: 1, rollout_node: 1}}",
+            "ray.data_min_rows=0",  # table stages on Ray Data whatever the size, as docs/cluster.md sets it
             f"storage.root={self.s3.root(PREFIX)}",
             f"storage.options={opts}",
             f"storage.cache_dir={CACHE}",
@@ -138,6 +139,24 @@ def trained(env):
     proc = env.driver("train", "--config", "configs/ci_tiny.yaml", "--run-id", RUN_ID, *env.overrides())
     _ok(proc)
     return proc
+
+
+def _commits(env, table: str) -> list[dict]:
+    return [h for h in env.table(table).history() if h.get("rlake.run_id") == RUN_ID and h.get("rlake.stage") == table]
+
+
+def test_scoring_ran_on_every_node_and_the_ranks_wrote_their_rows(env, trained):
+    """Each iteration's scored_rollouts ran on Ray Data with its map and write tasks spread over both nodes that
+    have CPUs (the head has none); old_logprobs' rows were written by the trainer rank on node a, the step only
+    committed them. Each commit names the nodes whose tasks or ranks wrote its files (rlake.write_nodes)."""
+    a, b = env.cluster.node("a").node_id, env.cluster.node("b").node_id
+    nodes = {a: "a", b: "b"}
+
+    def written(table: str) -> list[set[str]]:
+        return [{nodes.get(n, n) for n in json.loads(c.get("rlake.write_nodes", "[]"))} for c in _commits(env, table)]
+
+    assert written("scored_rollouts") == [{"a", "b"}] * 2, written("scored_rollouts")
+    assert written("old_logprobs") == [{"a"}] * 2, written("old_logprobs")
 
 
 def test_tables_and_checkpoints_live_in_the_bucket(env, trained):

@@ -85,11 +85,12 @@ def test_a_dataset_write_is_one_commit_that_replaces_only_its_partition(ray_sess
     assert sorted(store.read_partition(uri, "r", 0)["metric"]) == [f"x{i}" for i in range(7)]
     assert len(store.read_partition(uri, "r", 0, version=v0)) == 1000  # time travel to the first commit
     assert len(store.read_partition(uri, "r", 1)) == 5 and DeltaTable(uri).count() == 12
-    # the same lineage keys as a driver-side write, read by the same commit_lineage
+    # the same lineage keys as a driver-side write, read by the same commit_lineage, plus the writing nodes
     newest, driver = store.commit_lineage(uri, run_id="r")[:2]
     assert {k for k in newest if k not in ("version", "timestamp")} == {
         k for k in driver if k not in ("version", "timestamp")
-    }
+    } | {"write_nodes"}
+    assert newest["write_nodes"] == [ray.get_runtime_context().get_node_id()]  # the one local node
     assert (newest["iteration"], newest["upstream"], newest["stage"]) == ("0", {"rollouts": 3}, "t")
 
 
