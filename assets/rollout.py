@@ -18,12 +18,12 @@ from assets.common import (
     write_table,
 )
 from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.io.stage_exec import read_columns
+from stages.io.stage_exec import read_columns, run_table_stage
 from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompt_batch import build_prompt_batch
 from stages.rollout import sample_rollouts
-from stages.turns import turns_partition
+from stages.turns import turns_table
 
 
 @dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("prompt_batches"))
@@ -132,9 +132,11 @@ def turns(
         return skipped
     source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
     policy = cfg.trainer.rollout_version(it)
-    run = turns_partition(
+    run = run_table_stage(  # batch by batch: a rollout's turns depend on its row alone
+        turns_table,
         source.uri,
         rollout_store.uri("turns"),
+        "turns",
         run_id=cfg.run_id,
         iteration=it,
         version=source.version,

@@ -86,7 +86,6 @@ def old_logprob_shards(
     if isinstance(rollouts, pd.DataFrame):
         if not len(rollouts):
             raise ValueError("compute_old_logprobs got no rollouts: the rollouts partition is empty")
-        rollouts = rollouts[[c for c in READ_COLUMNS if c in rollouts.columns]]
     return sharded_run(
         lambda: (
             actor_workers(actor, gpus=gpus)

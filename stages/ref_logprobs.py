@@ -102,7 +102,6 @@ def ref_logprob_shards(
     if isinstance(rollouts, pd.DataFrame):
         if not len(rollouts):
             raise ValueError("compute_ref_logprobs got no rollouts: the rollouts partition is empty")
-        rollouts = rollouts[[c for c in READ_COLUMNS if c in rollouts.columns]]
     workers = max(1, min(num_workers, source_rows(rollouts)))
     return sharded_run(
         lambda: (

@@ -2,13 +2,13 @@
 assistant turn, tool call and observation of a trajectory: role, its token span in response_token_ids, text,
 the tool's name, arguments, observation, latency and error. The rows come from the rollouts' `turns` column
 (stages/tools/agent_loop.py), in rollout and turn order. The asset streams the rollouts partition through
-`turns_partition` (the stage executor): the Dagster step never holds the whole partition."""
+turns_table on the stage executor (stages/io/stage_exec.py run_table_stage: a rollout's turns depend on its row
+alone): the Dagster step never holds the whole partition."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from stages.io.stage_exec import Lineage, StageRun, run_table_stage
 from stages.io.tables import SCHEMAS
 
 TURN_COLUMNS = [f.name for f in SCHEMAS["turns"] if f.name not in ("run_id", "iteration")]
@@ -40,29 +40,3 @@ def turns_table(rollouts: pd.DataFrame) -> pd.DataFrame:
                 "re-materialize the rollouts of this iteration"
             )
     return pd.DataFrame(rows, columns=TURN_COLUMNS)
-
-
-def turns_partition(
-    source_uri: str,
-    target_uri: str,
-    *,
-    run_id: str,
-    iteration: int,
-    version: int | None,
-    lineage: Lineage,
-    data_min_rows: int | None = None,
-) -> StageRun:
-    """The turns stage on the stage executor (stages/io/stage_exec.py): partition (run_id, iteration) of the
-    rollouts table at `source_uri` as of `version`, batch by batch through turns_table (a rollout's turns depend
-    on its row alone), written as that partition of `turns` at `target_uri` in ONE commit; never whole here."""
-    return run_table_stage(
-        turns_table,
-        source_uri,
-        target_uri,
-        "turns",
-        run_id=run_id,
-        iteration=iteration,
-        version=version,
-        lineage=lineage,
-        data_min_rows=data_min_rows,
-    )

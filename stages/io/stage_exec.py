@@ -27,6 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+import ray
 
 from stages.io import dataset_io, store, uris
 from stages.io.store import Options
@@ -241,8 +242,6 @@ def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iter
 
 def cpu_nodes() -> int:
     """Alive Ray nodes that have CPUs (a cluster's head started with num_cpus=0 does not count); 1 without Ray."""
-    import ray  # noqa: PLC0415 - only the Ray Data mode needs it, and it has Ray running
-
     if not ray.is_initialized():
         return 1
     return max(1, sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0))

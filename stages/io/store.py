@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -360,6 +360,15 @@ def read_partition_at(
     if not len(df) and filters is None:
         raise missing_partition_error(uri, dt.version(), run_id, iteration)
     return df, dt.version()
+
+
+def present_columns(
+    uri: str, columns: Sequence[str] | None, *, version: int | None = None, storage_options: Options = None
+) -> list[str]:
+    """`columns` (None: every column) that the table at `uri` has at `version`, in their order: a table written by
+    an older rlake may lack a newer column, which a read naming it would fail on."""
+    names = open_table(uri, version=version, storage_options=storage_options).schema().to_arrow().names
+    return list(names) if columns is None else [c for c in columns if c in set(names)]
 
 
 def table_version(uri: str, *, storage_options: Options = None) -> int:

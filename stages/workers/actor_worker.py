@@ -60,7 +60,7 @@ from stages.io.checkpoints import (
     save_optimizer_state,
     writing,
 )
-from stages.io.store import open_table, read_partition
+from stages.io.store import present_columns, read_partition
 from stages.models.lora import load_lora_policy, merged_state_dict, refuse_lora_checkpoint, save_adapter, save_merged
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
@@ -113,8 +113,7 @@ def rank_partition(req: UpdateRequest, rank: int, world: int) -> pd.DataFrame:
     ids = read_partition(uri, req.run_id, req.iteration, version=version, columns=["rollout_id"])["rollout_id"]
     ids = ids.sort_values().to_numpy()
     mine = ids[shard_for_rank(len(ids), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
-    names = set(open_table(uri, version=version).schema().to_arrow().names)
-    columns = [c for c in ROW_COLUMNS if c in names]
+    columns = present_columns(uri, ROW_COLUMNS, version=version)
     if not len(mine):  # more ranks than rows: this rank has none
         return pd.DataFrame({c: [] for c in columns})
     df = read_partition(

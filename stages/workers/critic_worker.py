@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from stages.io.store import open_table, read_partition
+from stages.io.store import present_columns, read_partition
 from stages.train.critic import run_critic_update, update_rows, values_frame
 from stages.workers.group import Worker
 from stages.workers.requests import CriticUpdateRequest
@@ -56,10 +56,8 @@ ADVANTAGE_COLUMNS = ["rollout_id", "prompt_token_ids", "response_token_ids", "re
 def critic_rows(req: CriticUpdateRequest) -> dict:
     """The critic-update rows (stages.train.critic.update_rows) of req's advantages and values partitions, read at
     their recorded versions, only the columns the update uses."""
-    names = open_table(req.advantages_uri, version=req.advantages_version).schema().to_arrow().names
-    part = (req.run_id, req.iteration)
-    advantages = read_partition(
-        req.advantages_uri, *part, version=req.advantages_version, columns=[c for c in ADVANTAGE_COLUMNS if c in names]
-    )
+    uri, version, part = req.advantages_uri, req.advantages_version, (req.run_id, req.iteration)
+    columns = present_columns(uri, ADVANTAGE_COLUMNS, version=version)
+    advantages = read_partition(uri, *part, version=version, columns=columns)
     values = read_partition(req.values_uri, *part, version=req.values_version, columns=["rollout_id", "values"])
     return update_rows(advantages, values)

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from stages.io import dataset_io, uris
 from stages.io.dataset_io import KEYS
-from stages.io.store import open_table, read_partition
+from stages.io.store import present_columns, read_partition
 
 
 class ShardMarker:
@@ -67,8 +67,7 @@ class Slice:
         """The slice's rows: the partition's keys (one column) first, then only these rows (a pyarrow filter on
         the key) and only `columns`: a rank never reads the whole partition. An empty slice reads no rows but
         keeps the table's column types (a rank with nothing to do still gets typed columns)."""
-        names = open_table(self.uri, version=self.version).schema().to_arrow().names
-        wanted = [c for c in (names if self.columns is None else self.columns) if c in names and c not in KEYS]
+        wanted = [c for c in present_columns(self.uri, self.columns, version=self.version) if c not in KEYS]
         part = (self.uri, self.run_id, self.iteration)
         mine = []
         if self.stop > self.start:

@@ -26,7 +26,7 @@ from stages.io import dataset_io, store
 from stages.io.stage_exec import Lineage, Partition, partition_rows
 from stages.workers.group import Worker, WorkerGroup, _method_name, call_with_retry
 from stages.workers.shard_io import SHARD, Finish, Prepare, Rows, ShardMarker, ShardResult, Sink, Slice
-from stages.workers.tasks import split_frame
+from stages.workers.tasks import split_bounds
 
 R = TypeVar("R")
 
@@ -65,18 +65,10 @@ def local_group(worker_cls: type, threads: int, *, role: str = "local", **init_k
     return LocalGroup(worker_cls, role, [worker_cls(0, 1, threads, **init_kwargs)])
 
 
-def rank_shards(rows: pd.DataFrame, ranks: int) -> list[pd.DataFrame]:
-    """`ranks` contiguous shards of rows (split_frame), the last ones empty when rows are fewer than ranks."""
-    shards = split_frame(rows, ranks)
-    return shards + [rows.iloc[0:0]] * (ranks - len(shards))
-
-
 def _bounds(rows: int, ranks: int, every_rank: bool) -> list[tuple[int, int]]:
-    """[start, stop) of each called rank's contiguous rows, as split_frame / rank_shards cut a frame of `rows` rows:
+    """[start, stop) of each called rank's contiguous rows, as split_frame cuts a frame of `rows` rows:
     min(ranks, rows) non-empty spans, then (every_rank) empty ones up to `ranks`."""
-    parts = min(ranks, rows)
-    cuts = [round(i * rows / parts) for i in range(parts + 1)] if parts else [0]
-    spans = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    spans = split_bounds(rows, min(ranks, rows))
     return spans + [(rows, rows)] * (ranks - len(spans)) if every_rank else spans
 
 
@@ -88,10 +80,11 @@ def source_rows(source: pd.DataFrame | Partition) -> int:
 
 
 def _sources(source: pd.DataFrame | Partition, columns: tuple[str, ...] | None, ranks: int, every_rank: bool) -> list:
-    """One source per called rank: Rows of a frame's contiguous shards, or Slices of a partition (read there)."""
-    if isinstance(source, pd.DataFrame):
-        shards = rank_shards(source, ranks) if every_rank else split_frame(source, min(ranks, len(source)))
-        return [Rows(shard) for shard in shards]
+    """One source per called rank: Rows of a frame's contiguous shards, or Slices of a partition (read there);
+    `columns` (None: all) those of them the frame or table has."""
+    if isinstance(source, pd.DataFrame):  # projected to `columns` as a Slice reads them
+        frame = source if columns is None else source[[c for c in columns if c in source.columns]]
+        return [Rows(frame.iloc[a:b]) for a, b in _bounds(len(frame), ranks, every_rank)]
     rows = source_rows(source)
     version = None if source.version is None else int(source.version)  # a plain int crosses to the ranks
     return [

@@ -17,10 +17,15 @@ MAX_ACTOR_RESTARTS = 3
 this many times; then the run fails with the worker's error instead of hanging."""
 
 
+def split_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of `parts` contiguous, near-equal chunks of `rows` rows, the empty ones left out."""
+    cuts = [round(i * rows / parts) for i in range(parts + 1)] if parts > 0 else [0]
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
 def split_frame(df: pd.DataFrame, parts: int) -> list[pd.DataFrame]:
     """Contiguous, near-equal chunks made in the driver, one per task or worker (no repartition step)."""
-    bounds = [round(i * len(df) / parts) for i in range(parts + 1)]
-    return [df.iloc[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [df.iloc[a:b] for a, b in split_bounds(len(df), parts)]
 
 
 def _call(fn: Callable[[pd.DataFrame], pd.DataFrame], block: pd.DataFrame) -> pd.DataFrame:

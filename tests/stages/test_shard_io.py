@@ -88,7 +88,7 @@ def test_ranks_write_their_files_and_the_caller_commits_once(tmp_path) -> None:
 def test_every_rank_takes_part_and_an_empty_output_commits_nothing(tmp_path) -> None:
     part, sink = _rollouts(tmp_path, n=2), Sink(str(tmp_path / "out"), "ref_logprobs", "r", 0)
     results = sharded_run(lambda: _group(4), Doubler.double, part, lambda shard: (shard, 0), sink=sink, every_rank=True)
-    assert [r.rows for r in results] == [1, 1, 0, 0]  # every rank called (rank_shards), the empty ones write no file
+    assert [r.rows for r in results] == [1, 1, 0, 0]  # every rank called, the last ones empty: they write no file
     assert [len(r.files) for r in results] == [1, 1, 0, 0]
     with pytest.raises(ValueError, match="refusing to write an empty partition"):
         commit_shards(sink, results[2:], {"stage": "t"})

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from stages.workers.group import Worker
-from stages.workers.sharded import LocalGroup, local_group, rank_shards, shard_frames, sharded_call, sharded_run
+from stages.workers.sharded import LocalGroup, local_group, shard_frames, sharded_call, sharded_run
 
 
 class Tagger(Worker):
@@ -50,12 +50,13 @@ def test_shards_are_contiguous_in_rank_order() -> None:
 
 
 def test_fewer_rows_than_ranks() -> None:
-    """Default: only the first ranks are called; every_rank: the others get an empty shard (rank_shards)."""
+    """Default: only the first ranks are called; every_rank: the others get an empty shard, the last ones."""
     results = sharded_run(lambda: _local(3), Tagger.tag, _frame(2), lambda shard: (shard, 0.0))
     assert [r.rows for r in results] == [1, 1] and shard_frames(results)["rank"].tolist() == [0, 1]
     results = sharded_run(lambda: _local(3), Tagger.tag, _frame(2), lambda shard: (shard, 0.0), every_rank=True)
     assert [r.rows for r in results] == [1, 1, 0] and shard_frames(results)["rank"].tolist() == [0, 1]
-    assert [len(s) for s in rank_shards(_frame(2), 4)] == [1, 1, 0, 0]
+    results = sharded_run(lambda: _local(4), Tagger.tag, _frame(2), lambda shard: (shard, 0.0), every_rank=True)
+    assert [r.rows for r in results] == [1, 1, 0, 0]
 
 
 def test_local_workers_are_closed_after_the_call_and_after_an_error() -> None:
