@@ -1,7 +1,6 @@
 """Per-iteration generation assets: the prompt batch and its rollouts."""
 
 import dagster as dg
-import pandas as pd
 
 from assets.common import (
     ROLLOUT,
@@ -23,7 +22,10 @@ from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
 from stages.prompt_batch import build_prompt_batch
 from stages.rollout import sample_rollouts
+from stages.rollout_shards import merge_summaries
 from stages.turns import turns_table
+from stages.workers.shard_io import Sink
+from stages.workers.sharded import commit_shards
 
 
 @dg.asset(partitions_def=run_iterations, group_name=ROLLOUT, kinds={"delta"}, deps=asset_deps("prompt_batches"))
@@ -86,37 +88,36 @@ def rollouts(
     batch, version = read_recorded(context, rollout_store, "prompt_batches", cfg.run_id, it)
     model_dir = model_store.for_run(cfg.run_id).require(policy, needed_by=f"rollouts of iteration {it}")
     ray.ensure()
+    sink = Sink(rollout_store.uri("rollouts"), "rollouts", cfg.run_id, it)
     with timed() as t:
-        out = sample_rollouts(
+        results = sample_rollouts(  # the ranks write their rows; DAPO: rounds of gen_round until the batch is full
             batch.assign(group_id=batch["position"], policy_version=policy),
             model_dir=str(model_dir),
             cfg=cfg,
             iteration=it,
-        )  # DAPO: rounds of gen_round until the batch is full
-    v = write_table(
-        rollout_store,
-        cfg,
-        "rollouts",
-        out,
-        it,
-        policy_version=policy,
-        upstream={"prompt_batches": version},
-        duration_s=t["s"],
+            sink=sink,
+        )
+    meta = lineage(
+        cfg, stage="rollouts", policy_version=policy, upstream={"prompt_batches": version}, duration_s=t["s"]
     )
-    empty = int((out["response_length"] == 0).sum())
+    v = commit_shards(sink, results, meta)
+    done = merge_summaries([r.summary for r in results])
+    empty = done["empty_responses"]
     return dg.MaterializeResult(
         metadata={
             "delta_version": v,
             "policy_version": policy,
             "policy_lag": it - policy,
-            **rollout_metadata(out, t["s"]),
+            **rollout_metadata(done, t["s"]),
         },
         data_version=data_version("rollouts", v),
         check_results=[
             dg.AssetCheckResult(
                 check_name="responses_nonempty", passed=empty == 0, metadata={"empty_responses": empty}
             ),
-            weights_check(out, model_store.for_run(cfg.run_id).policy_fingerprint(policy), policy),
+            weights_check(
+                done["fingerprints"], done["rows"], model_store.for_run(cfg.run_id).policy_fingerprint(policy), policy
+            ),
         ],
     )
 
@@ -160,59 +161,60 @@ def turns(
     )
 
 
-def rollout_metadata(out: pd.DataFrame, seconds: float) -> dict:
-    """The rollouts asset's metadata: counts, engine, throughput (floats Dagster plots) and sample responses."""
-    tokens = int(out["response_length"].sum())
+def rollout_metadata(done: dict, seconds: float) -> dict:
+    """The rollouts asset's metadata from the ranks' merged summaries (stages/rollout_shards.py): counts, engine,
+    throughput (floats Dagster plots) and sample responses."""
+    tokens, rows = done["response_tokens"], done["rows"]
     return {
-        "rollouts": len(out),
-        "engine": out["engine"].iloc[0],
-        "engine_sync": ",".join(sorted(set(out["engine_sync"]))),
+        "rollouts": rows,
+        "engine": ",".join(done["engines"]),
+        "engine_sync": ",".join(done["engine_sync"]),
         "response_tokens": tokens,
         "tokens_per_s": tokens / max(seconds, 1e-9),
-        "response_length_mean": float(out["response_length"].mean()) if len(out) else 0.0,
+        "response_length_mean": tokens / rows if rows else 0.0,
         "generate_s": seconds,
-        "gen_rounds": int(out["gen_round"].nunique()),
-        "baseline_rollouts": int(out["is_baseline"].sum()) if "is_baseline" in out else 0,  # ReMax greedy rows
-        "samples": dg.MetadataValue.md(_sample_md(out)),
+        "gen_rounds": len(done["gen_rounds"]),
+        "baseline_rollouts": done["baselines"],  # ReMax greedy rows
+        "samples": dg.MetadataValue.md(_sample_md(done["samples"])),
     }
 
 
-def weights_check(out: pd.DataFrame, expected: str, version: int) -> dg.AssetCheckResult:
+def weights_check(fingerprints: dict[str, int], rows: int, expected: str, version: int) -> dg.AssetCheckResult:
     """Blocking gate: the engines generated with policy version `version`'s weights. Each rollout row carries the
     fingerprint its engine read from its own weights after its last load (stages/models/fingerprint.py);
-    `expected` is that of the checkpoint. A row without one counts as a mismatch (the engine did not say)."""
-    seen = out["engine_weights_fingerprint"].fillna("<none>")
-    bad = seen != expected
-    counts = seen.value_counts().to_dict()
+    `fingerprints` counts the rows per fingerprint ("<none>": the engine did not say, a mismatch); `expected` is
+    that of the checkpoint."""
+    bad = {k: v for k, v in fingerprints.items() if k != expected}
+    mismatched = sum(bad.values())
     why = ""
-    if bad.any():
+    if bad:
         why = (
-            f"{int(bad.sum())} of {len(out)} rollouts were generated with weights whose fingerprint "
-            f"({', '.join(sorted(set(seen[bad])))}) is not policy version {version}'s ({expected}): the engine did "
+            f"{mismatched} of {rows} rollouts were generated with weights whose fingerprint "
+            f"({', '.join(sorted(bad))}) is not policy version {version}'s ({expected}): the engine did "
             "not get the weights it was synced to (a skipped or failed weight sync), so these rollouts are "
             "off-policy samples of another model. The iteration stops here; look at the rollouts' engine_sync "
             "column and the engine's log, then re-materialize rollouts for this partition"
         )
     return dg.AssetCheckResult(
         check_name="engine_weights_match_policy",
-        passed=not bad.any(),
+        passed=not bad,
         description=why or None,
         metadata={
             "policy_version": version,
             "checkpoint_fingerprint": expected,
-            "engine_fingerprints": dg.MetadataValue.json({str(k): int(v) for k, v in counts.items()}),
-            "mismatched_rollouts": int(bad.sum()),
+            "engine_fingerprints": dg.MetadataValue.json(dict(fingerprints)),
+            "mismatched_rollouts": mismatched,
             **({"message": why} if why else {}),
         },
     )
 
 
-def _sample_md(df: pd.DataFrame, k: int = 4) -> str:
+def _sample_md(samples: list[dict]) -> str:
     lines = ["| prompt | response | finish |", "|---|---|---|"]
 
     def esc(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    for _, r in df.head(k).iterrows():
+    for r in samples:
         lines.append(f"| `{esc(r['prompt_text'][-40:])}` | `{esc(r['response_text'][:60])}` | {r['finish_reason']} |")
     return "\n".join(lines)

@@ -46,28 +46,28 @@ def kept_group_ids(scored: pd.DataFrame, metric: str, correct_score: float) -> l
 
 def generate_until_full(
     batch: pd.DataFrame,
-    generate: Callable[[pd.DataFrame, int], pd.DataFrame],
-    score: Callable[[pd.DataFrame], pd.DataFrame],
+    generate: Callable[[pd.DataFrame, int, int], list],
+    score: Callable[[list], pd.DataFrame],
     *,
     metric: str,
     correct_score: float,
     need_groups: int,
-) -> pd.DataFrame:
-    """Generate round after round of `batch` (a prompt_batches partition with gen_round) until
-    `need_groups` groups pass the filter; returns all generated rollouts (gen_round, unique rollout_id).
+) -> list[list]:
+    """Generate round after round of `batch` (a prompt_batches partition with gen_round) until `need_groups`
+    groups pass the filter; returns each generated round's pass (all are kept: gen_round, unique rollout_id).
 
-    generate(prompts of one round, round) -> rollouts with rollout_id 0..; score(rollouts) -> the same
-    rows with a `score` and `reward` column (used only to decide whether to stop)."""
-    parts, kept, offset = [], 0, 0
+    generate(prompts of one round, round, its first rollout_id) -> the pass's results (ShardResults: `rows` each);
+    score(a pass's results) -> its rows with `group_id`, `rollout_id`, `score` and `reward` (used only to decide
+    whether to stop)."""
+    passes, kept, offset = [], 0, 0
     rounds = sorted(int(r) for r in batch["gen_round"].unique())
     for r in rounds:
-        out = generate(batch[batch["gen_round"] == r].reset_index(drop=True), r)
-        out = out.assign(gen_round=r, rollout_id=out["rollout_id"].to_numpy() + offset)
-        offset += len(out)
-        parts.append(out)
-        kept += len(kept_group_ids(score(out), metric, correct_score))
+        results = generate(batch[batch["gen_round"] == r].reset_index(drop=True), r, offset)
+        offset += sum(res.rows for res in results)
+        passes.append(results)
+        kept += len(kept_group_ids(score(results), metric, correct_score))
         if kept >= need_groups:
-            return pd.concat(parts, ignore_index=True)
+            return passes
     raise ValueError(
         f"dynamic sampling kept {kept} groups after {len(rounds)} generation rounds, fewer than "
         f"data.train_batch_size ({need_groups}), because the other groups' rollouts all got the same "

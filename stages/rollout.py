@@ -11,9 +11,7 @@ for the whole run and take each new policy version's weights in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-import numpy as np
 import pandas as pd
 import ray
 from ray.exceptions import RayActorError
@@ -21,14 +19,18 @@ from ray.exceptions import RayActorError
 from configs.schema import RolloutConfig, RunConfig
 from stages import seeds
 from stages.filter_groups import generate_until_full
+from stages.io import dataset_io
 from stages.io.checkpoints import checkpoint_id, ref_checkpoint_id
+from stages.io.tables import SCHEMAS
 from stages.models.engines import SamplingSpec
 from stages.reward import score_rollouts
+from stages.rollout_shards import TOKEN_COLUMNS, NumberRollouts, in_batch_order, rollout_order
 from stages.tools import resolve_tool_config
 from stages.workers.group import WorkerGroup, engine_threads, existing_workers, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.rollout_worker import RolloutWorker
-from stages.workers.sharded import LocalGroup, local_group, sharded_call
+from stages.workers.shard_io import ShardResult, Sink
+from stages.workers.sharded import LocalGroup, local_group, shard_frames, sharded_run
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ def published_weights(model_dir: str) -> list:
         return []
 
 
-def generate_rollouts(
+def generate_shards(
     prompt_batch: pd.DataFrame,
     *,
     model_dir: str,
@@ -111,12 +113,18 @@ def generate_rollouts(
     use_ray: bool = True,
     gpus: GpuPool = CPU_ONLY,
     ask_trainer: bool = True,
-) -> pd.DataFrame:
-    """Generate over prompt_batch (prompt_id, prompt_token_ids, ...); one row per (prompt, sample) with
-    rollout_id = position in (prompt_id, sample_index) order.
+    first_id: int = 0,
+    stamp: dict | None = None,
+    sink: Sink | None = None,
+) -> list[ShardResult]:
+    """One generation pass over prompt_batch (prompt_id, prompt_token_ids, ...) on the "rollout" group: n rows
+    per prompt row with rollout_id = first_id + the place in (prompt_id, sample_index) order
+    (stages/rollout_shards.py), `stamp`'s columns set. Each rank numbers its rows and, with a `sink`, writes them
+    as one file (commit the files with commit_shards); else sends them back. One ShardResult per called rank, in
+    rank order (= rollout_id order); each carries its rows' summary (rollout_shards.rollout_summary).
 
-    Contiguous shards go to the ranks of the "rollout" group (a killed worker: the group is rebuilt and the call
-    retried once); use_ray=False: to one RolloutWorker in this process, closed afterwards (local_rollout_group).
+    Contiguous runs of that order go to the ranks (a killed worker: the group is rebuilt and the call retried
+    once); use_ray=False: to one RolloutWorker in this process, closed afterwards (local_rollout_group).
     gpus: the run's GPU pool (GpuPool.of(cfg.trainer)); the default is a CPU run. ask_trainer=False: the engines
     load the committed checkpoint instead of asking the trainer's rank 0 for published weights (one_step_off: that
     rank is busy with the next update, and Ray runs an actor's calls one at a time, so asking would wait for the
@@ -125,82 +133,89 @@ def generate_rollouts(
     mt = resolved_multi_turn(rollout_cfg)
     object_store = use_ray and ask_trainer and rollout_cfg.weight_sync == "object_store"
     weights = published_weights(model_dir) if object_store else []
-    out = sharded_call(
+    return sharded_run(
         lambda: rollout_group(rollout_cfg, gpus) if use_ray else local_rollout_group(rollout_cfg),
         RolloutWorker.generate,
-        prompt_batch,
+        rollout_order(prompt_batch, spec.n, first_id),
         lambda shard: (model_dir, shard, spec, mt, use_ray, weights),
+        sink=sink,
+        prepare=in_batch_order,
+        finish=NumberRollouts(spec.n, dict(stamp or {})),
     )
-    out = out.sort_values(["prompt_id", "sample_index"]).reset_index(drop=True)
-    out["rollout_id"] = range(len(out))
-    return out
 
 
-def add_greedy_baselines(
-    sampled: pd.DataFrame, prompts: pd.DataFrame, generate_greedy: Callable[[pd.DataFrame], pd.DataFrame]
-) -> pd.DataFrame:
-    """`sampled` plus one greedy response per group it holds (ReMax), marked is_baseline with sample_index -1
-    and rollout_ids after the sampled ones (unique in the iteration); sampled rows get is_baseline False.
-
-    prompts: the prompt rows (one per group_id, as in the prompt batch); generate_greedy(prompts) -> one
-    rollout per prompt row, carrying its group_id."""
-    groups = prompts[prompts["group_id"].isin(set(sampled["group_id"]))].reset_index(drop=True)
-    greedy = generate_greedy(groups)
-    if len(greedy) != len(groups) or set(greedy["group_id"]) != set(groups["group_id"]):
-        raise ValueError(
-            f"the greedy baseline pass returned {len(greedy)} rollouts for {len(groups)} prompts; "
-            "ReMax needs exactly one per prompt (generate with n=1)"
-        )
-    start = int(sampled["rollout_id"].max()) + 1
-    greedy = greedy.assign(sample_index=-1, is_baseline=True, rollout_id=np.arange(start, start + len(greedy)))
-    return pd.concat([sampled.assign(is_baseline=False), greedy], ignore_index=True)
+def generate_rollouts(prompt_batch: pd.DataFrame, **kwargs) -> pd.DataFrame:
+    """generate_shards' rows, back in this process (validation, tests): one row per (prompt, sample) with
+    rollout_id = position in (prompt_id, sample_index) order."""
+    return shard_frames(generate_shards(prompt_batch, **kwargs))
 
 
-def sample_rollouts(batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iteration: int) -> pd.DataFrame:
+def written_rows(results: list[ShardResult], sink: Sink | None, columns: list[str] | None = None) -> pd.DataFrame:
+    """The rows of a pass: sent back (no sink), or read from the files the ranks wrote (`columns` of them)."""
+    if sink is None:
+        return shard_frames(results)
+    files = [r.files for r in results if r.files is not None and len(r.files)]
+    return dataset_io.read_written(sink.uri, pd.concat(files, ignore_index=True), columns)
+
+
+def sample_rollouts(
+    batch: pd.DataFrame, *, model_dir: str, cfg: RunConfig, iteration: int, sink: Sink | None = None
+) -> list[ShardResult]:
     """The iteration's rollouts: one generation of the batch, or DAPO rounds until the batch is full; with
-    adv_estimator='remax' plus one greedy baseline row per generated prompt (add_greedy_baselines).
-    batch: a prompt_batches partition with group_id and policy_version set."""
-    ask_trainer = cfg.trainer.policy_lag == 0  # one_step_off: the trainer's rank 0 is busy (generate_rollouts)
+    adv_estimator='remax' plus one greedy baseline row per generated prompt, is_baseline, sample_index -1,
+    rollout_ids after the sampled ones. batch: a prompt_batches partition with group_id and policy_version set.
+    With a `sink` the ranks write every pass's rows (commit them with commit_shards); else shard_frames(result)
+    is the partition. The ranks' results of every pass, in rollout_id order."""
+    ask_trainer = cfg.trainer.policy_lag == 0  # one_step_off: the trainer's rank 0 is busy (generate_shards)
+    common = {
+        "model_dir": model_dir,
+        "rollout_cfg": cfg.rollout,
+        "max_tokens": cfg.data.max_response_length,
+        "gpus": GpuPool.of(cfg.trainer),
+        "ask_trainer": ask_trainer,
+        "sink": sink,
+    }
+    remax = cfg.algorithm.adv_estimator == "remax"
 
-    def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
-        return generate_rollouts(
-            prompts,
-            model_dir=model_dir,
-            rollout_cfg=cfg.rollout,
-            max_tokens=cfg.data.max_response_length,
-            seed=seeds.rollout(cfg.rollout.seed, iteration, r),
-            gpus=GpuPool.of(cfg.trainer),
-            ask_trainer=ask_trainer,
-        )
+    def generate(prompts: pd.DataFrame, r: int, first_id: int) -> list[ShardResult]:
+        stamp = {"gen_round": r, **({"is_baseline": False} if remax else {})}
+        seed = seeds.rollout(cfg.rollout.seed, iteration, r)
+        return generate_shards(prompts, seed=seed, first_id=first_id, stamp=stamp, **common)
 
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
-        out = generate(batch, 0).assign(gen_round=0)
+        passes, rounds = [generate(batch, 0, 0)], [0]
     else:
-        out = generate_until_full(
+        passes = generate_until_full(
             batch,
             generate,
-            lambda out: score_rollouts(
-                out, cfg.reward, use_ray=False, max_response_length=cfg.data.max_response_length
+            lambda results: score_rollouts(
+                written_rows(results, sink, columns=scoring_columns()),
+                cfg.reward,
+                use_ray=False,
+                max_response_length=cfg.data.max_response_length,
             ),
             metric=fg.metric,
             correct_score=cfg.reward.score,
             need_groups=cfg.data.train_batch_size,
         )
-    if cfg.algorithm.adv_estimator != "remax":
-        return out
-    return add_greedy_baselines(
-        out,
-        batch,
-        lambda prompts: generate_rollouts(
-            prompts,
-            model_dir=model_dir,
-            rollout_cfg=cfg.rollout,
-            max_tokens=cfg.data.max_response_length,
-            seed=seeds.rollout(cfg.rollout.seed, iteration),
-            greedy=True,
-            n=1,
-            gpus=GpuPool.of(cfg.trainer),
-            ask_trainer=ask_trainer,
-        ),
+        rounds = sorted(int(r) for r in batch["gen_round"].unique())[: len(passes)]
+    results = [r for p in passes for r in p]
+    if not remax:
+        return results
+    generated = batch[batch["gen_round"].isin(rounds)] if "gen_round" in batch else batch
+    greedy = generate_shards(  # one greedy response per generated prompt, numbered after the samples
+        generated.reset_index(drop=True),
+        seed=seeds.rollout(cfg.rollout.seed, iteration),
+        greedy=True,
+        n=1,
+        first_id=sum(r.rows for r in results),
+        stamp={"is_baseline": True, "sample_index": -1},
+        **common,
     )
+    return results + greedy
+
+
+def scoring_columns() -> list[str]:
+    """The rollouts columns a rule or custom reward reads: all but the per-token ones."""
+    return [c for c in SCHEMAS["rollouts"].names if c not in TOKEN_COLUMNS]

@@ -115,7 +115,8 @@ def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
     """Shaped rewards (overlong penalty on lengths) give some groups spread: rounds stop once enough pass;
     an unreachable target is a clear error after every round was generated."""
     from stages.models.policy import load_policy
-    from stages.rollout import generate_rollouts
+    from stages.rollout import generate_shards
+    from stages.workers.sharded import shard_frames
 
     tiny_checkpoint = eos_prone_checkpoint
     _, tok = load_policy(tiny_checkpoint)
@@ -124,19 +125,27 @@ def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
     reward_cfg = RewardConfig(overlong_buffer={"enable": True, "len": 5, "penalty_factor": 1.0})
     generated = []
 
-    def generate(prompts: pd.DataFrame, r: int) -> pd.DataFrame:
+    def generate(prompts: pd.DataFrame, r: int, first_id: int) -> list:
         generated.append(r)
-        return generate_rollouts(
-            prompts, model_dir=str(tiny_checkpoint), rollout_cfg=rollout_cfg, max_tokens=6, seed=r, use_ray=False
+        return generate_shards(
+            prompts,
+            model_dir=str(tiny_checkpoint),
+            rollout_cfg=rollout_cfg,
+            max_tokens=6,
+            seed=r,
+            use_ray=False,
+            first_id=first_id,
+            stamp={"gen_round": r},
         )
 
-    def score(out: pd.DataFrame) -> pd.DataFrame:
-        return score_rollouts(out, reward_cfg, use_ray=False, max_response_length=6)
+    def score(results: list) -> pd.DataFrame:
+        return score_rollouts(shard_frames(results), reward_cfg, use_ray=False, max_response_length=6)
 
-    out = generate_until_full(batch, generate, score, metric="seq_reward", correct_score=1.0, need_groups=4)
+    passes = generate_until_full(batch, generate, score, metric="seq_reward", correct_score=1.0, need_groups=4)
+    out = shard_frames([r for p in passes for r in p])
     assert out["rollout_id"].tolist() == list(range(len(out))) and len(out) == 9 * len(generated)
     assert sorted(out["gen_round"].unique()) == generated == list(range(len(generated)))
-    per_round = [len(kept_group_ids(score(out[out["gen_round"] == r]), "seq_reward", 1.0)) for r in generated]
+    per_round = [len(kept_group_ids(score(p), "seq_reward", 1.0)) for p in passes]
     assert sum(per_round) >= 4 and sum(per_round[:-1]) < 4  # stopped at the first round that filled the batch
     assert out.groupby("group_id")["gen_round"].nunique().max() == 1
     generated.clear()

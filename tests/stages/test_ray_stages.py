@@ -26,6 +26,11 @@ from helpers_rollouts import as_trainer_rows, make_rows
 pytestmark = pytest.mark.ray
 
 
+def _plain(value):
+    """A list cell as a plain list (a Delta read gives numpy arrays, rows sent back give lists)."""
+    return [float(v) for v in value] if hasattr(value, "__len__") and not isinstance(value, str) else value
+
+
 def test_shard_for_rank_splits_every_mini_batch() -> None:
     assert shard_for_rank(8, 4, 0, 2) == [0, 1, 4, 5] and shard_for_rank(8, 4, 1, 2) == [2, 3, 6, 7]
 
@@ -67,6 +72,42 @@ def test_rollouts_on_rollout_workers(ray_session, tiny_checkpoint) -> None:
     # sampling is seeded per batch: Ray's 2 shards see different seeds than one in-process batch, but
     # both runs produce valid rows for every prompt
     assert again["prompt_id"].tolist() == out["prompt_id"].tolist()
+
+
+def test_two_rollout_ranks_write_the_partition_in_rollout_id_order(ray_session, tiny_checkpoint, tmp_path) -> None:
+    """The ranks number and write their own rows; the step commits the files once and never holds a row. Prompt
+    ids out of order and one repeated: the table still reads in rollout_id order, each rank's file one contiguous
+    id range, and it equals the rows the same two ranks send back."""
+    import pandas as pd
+
+    from stages.io import dataset_io
+    from stages.rollout import generate_shards
+    from stages.workers.shard_io import Sink
+    from stages.workers.sharded import commit_shards
+
+    _, tok = load_policy(tiny_checkpoint)
+    ids = [4, 0, 3, 0, 5]  # prompt 0 twice: its rows come in row order, (prompt_id, row) ascending
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"{i}+1="}])[0] for i in ids]
+    batch = pd.DataFrame({"prompt_id": ids, "prompt_token_ids": prompts, "group_id": range(5), "policy_version": 0})
+    batch = batch.assign(prompt_text=[f"{i}+1=" for i in ids], data_source="rlake/arith", ground_truth="1")
+    cfg = RolloutConfig(name="hf", n=2, num_workers=2)
+    kw = {"model_dir": str(tiny_checkpoint), "rollout_cfg": cfg, "max_tokens": 4, "seed": 0}
+    sink = Sink(str(tmp_path / "rollouts"), "rollouts", "r", 0)
+    results = generate_shards(batch, sink=sink, first_id=10, stamp={"gen_round": 0}, **kw)
+    assert [r.frame for r in results] == [None, None] and [r.rows for r in results] == [4, 6]
+    written = [dataset_io.read_written(sink.uri, r.files, ["rollout_id"])["rollout_id"].tolist() for r in results]
+    assert written == [list(range(10, 14)), list(range(14, 20))]  # one contiguous id range per rank, sorted
+    version = commit_shards(sink, results, {"stage": "test"})
+    table = store.read_partition(sink.uri, "r", 0, version=version)
+    # by hand: (prompt_id, row) order is 0 (row 1), 0 (row 3), 3, 4, 5; n = 2 ids each from 10
+    assert table["rollout_id"].tolist() == list(range(10, 20))
+    assert table["group_id"].tolist() == [1, 1, 3, 3, 2, 2, 0, 0, 4, 4]
+    assert table["sample_index"].tolist() == [0, 1] * 5 and set(table["gen_round"]) == {0}
+    back = generate_rollouts(batch, first_id=10, stamp={"gen_round": 0}, **kw)
+    for column in ["rollout_id", "group_id", "response_token_ids", "rollout_logprobs", "finish_reason"]:
+        assert table[column].map(_plain).tolist() == back[column].map(_plain).tolist(), column
+    summary = results[0].summary
+    assert summary["rows"] == 4 and [s["rollout_id"] for s in summary["samples"]] == [10, 11, 12, 13]
 
 
 def test_two_gloo_workers_equal_single_process(ray_session, tiny_checkpoint, tmp_path) -> None:

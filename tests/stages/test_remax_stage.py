@@ -16,7 +16,6 @@ from configs.schema import (
 from stages.advantage import compute_advantage_table, drop_flagged_rollouts
 from stages.filter_groups import select_training_groups
 from stages.metrics import rollout_metrics
-from stages.rollout import add_greedy_baselines
 
 REMAX = AlgorithmConfig(adv_estimator="remax")
 
@@ -153,13 +152,14 @@ def test_greedy_baselines_from_the_real_engine(tmp_path) -> None:
     def generate(batch: pd.DataFrame, **kw) -> pd.DataFrame:
         return generate_rollouts(batch, model_dir=model_dir, rollout_cfg=cfg, max_tokens=5, seed=0, use_ray=False, **kw)
 
-    sampled = generate(prompts.iloc[:2]).assign(gen_round=0)  # prompt 2 was not generated: no baseline for it
-    out = add_greedy_baselines(sampled, prompts, lambda p: generate(p, greedy=True, n=1))
+    # as sample_rollouts does it: prompt 2 was not generated, so it gets no baseline
+    sampled = generate(prompts.iloc[:2], stamp={"gen_round": 0, "is_baseline": False})
+    baselines = {"is_baseline": True, "sample_index": -1}
+    greedy = generate(prompts.iloc[:2], greedy=True, n=1, first_id=len(sampled), stamp=baselines)
+    out = pd.concat([sampled, greedy], ignore_index=True)
     base = out[out["is_baseline"]]
     assert len(out) == 6 and out["rollout_id"].tolist() == list(range(6))
     assert base["group_id"].tolist() == [10, 11] and set(base["sample_index"]) == {-1}
     assert not out.loc[~out["is_baseline"], "sample_index"].lt(0).any()
     again = generate(prompts.iloc[:2], greedy=True, n=1)
     assert base["response_token_ids"].map(list).tolist() == again["response_token_ids"].map(list).tolist()  # argmax
-    with pytest.raises(ValueError, match="returned 4 rollouts for 2 prompts"):
-        add_greedy_baselines(sampled, prompts, lambda p: generate(p, n=2))
