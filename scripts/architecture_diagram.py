@@ -42,7 +42,7 @@ FLOW = [
         "rollouts",
         "prompt_batches, policy_vN",
         "RolloutWorker.generate",
-        "prompts sent; rows back, written by the step",
+        "prompts sent; each rank numbers, writes its file",
         "rollouts",
         DELTA,
     ),
