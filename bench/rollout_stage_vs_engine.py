@@ -150,9 +150,10 @@ class BareVLLM:
 def stage_call(batch, model_dir: str, cfg, iteration: int) -> tuple[int, float, dict]:
     """One call of the rollouts stage's work (sample_rollouts): (tokens, seconds, the worker's own timings)."""
     from stages.rollout import sample_rollouts
+    from stages.workers.sharded import shard_frames
 
-    t0 = time.perf_counter()
-    out = sample_rollouts(batch, model_dir=model_dir, cfg=cfg, iteration=iteration)
+    t0 = time.perf_counter()  # the rows come back (no sink), for the worker's own timings per row
+    out = shard_frames(sample_rollouts(batch, model_dir=model_dir, cfg=cfg, iteration=iteration))
     seconds = time.perf_counter() - t0
     parts = {"worker_generate_s": float(out["generate_s"].max()), "sync_s": float(out["engine_sync_s"].max())}
     return int(out["response_length"].sum()), seconds, parts
