@@ -182,28 +182,10 @@ def sample_rollouts(
         seed = seeds.rollout(cfg.rollout.seed, iteration, r)
         return generate_shards(prompts, seed=seed, first_id=first_id, stamp=stamp, **common)
 
-    fg = cfg.algorithm.filter_groups
-    if not fg.enable:
-        passes, rounds = [generate(batch, 0, 0)], [0]
-    else:
-        passes = generate_until_full(
-            batch,
-            generate,
-            lambda results: score_rollouts(
-                written_rows(results, sink, columns=scoring_columns()),
-                cfg.reward,
-                use_ray=False,
-                max_response_length=cfg.data.max_response_length,
-            ),
-            metric=fg.metric,
-            correct_score=cfg.reward.score,
-            need_groups=cfg.data.train_batch_size,
-        )
-        rounds = sorted(int(r) for r in batch["gen_round"].unique())[: len(passes)]
+    passes, generated = sampled_passes(batch, generate, cfg, sink)
     results = [r for p in passes for r in p]
     if not remax:
         return results
-    generated = batch[batch["gen_round"].isin(rounds)] if "gen_round" in batch else batch
     greedy = generate_shards(  # one greedy response per generated prompt, numbered after the samples
         generated.reset_index(drop=True),
         seed=seeds.rollout(cfg.rollout.seed, iteration),
@@ -214,6 +196,32 @@ def sample_rollouts(
         **common,
     )
     return results + greedy
+
+
+def sampled_passes(
+    batch: pd.DataFrame, generate, cfg: RunConfig, sink: Sink | None
+) -> tuple[list[list[ShardResult]], pd.DataFrame]:
+    """(each generation pass's results, the prompts they generated for): the whole batch once, or DAPO's rounds
+    until enough groups pass the filter (each round scored from its rows: read back from the ranks' files without
+    the token columns when they wrote them). generate(prompts, round, first rollout_id) -> a pass's results."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return [generate(batch, 0, 0)], batch
+    passes = generate_until_full(
+        batch,
+        generate,
+        lambda results: score_rollouts(
+            written_rows(results, sink, columns=scoring_columns()),
+            cfg.reward,
+            use_ray=False,
+            max_response_length=cfg.data.max_response_length,
+        ),
+        metric=fg.metric,
+        correct_score=cfg.reward.score,
+        need_groups=cfg.data.train_batch_size,
+    )
+    rounds = sorted(int(r) for r in batch["gen_round"].unique())[: len(passes)]
+    return passes, batch[batch["gen_round"].isin(rounds)]
 
 
 def scoring_columns() -> list[str]:
