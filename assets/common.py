@@ -193,13 +193,6 @@ def upstream_partition(context, rollout_store, table: str, run_id: str, iteratio
     return Partition(rollout_store.uri(table), run_id, iteration, version)
 
 
-def read_if(
-    needed: bool, context, rollout_store, table: str, run_id: str, iteration: int
-) -> tuple[pd.DataFrame | None, UpstreamVersion | None]:
-    """read_recorded when the run uses `table` (e.g. `values` only with a critic), else (None, None)."""
-    return read_recorded(context, rollout_store, table, run_id, iteration) if needed else (None, None)
-
-
 def write_table(
     rollout_store,
     cfg: RunConfig,

@@ -12,7 +12,6 @@ from assets.common import (
     checkpoint_version,
     data_version,
     iteration_of,
-    read_if,
     read_recorded,
     record_checkpoint,
     run_iterations,
@@ -177,7 +176,8 @@ def measure_iteration(
     it = iteration_of(context)
     scored = upstream_partition(context, rollout_store, "scored_rollouts", cfg.run_id, it)  # streamed: no rows here
     adv = upstream_partition(context, rollout_store, "advantages", cfg.run_id, it)
-    values, _ = read_if(uses_critic(cfg), context, rollout_store, "values", cfg.run_id, it)
+    critic_used = uses_critic(cfg)  # the values partition streamed like the others
+    values = upstream_partition(context, rollout_store, "values", cfg.run_id, it) if critic_used else None
     ms = model_store.for_run(cfg.run_id)
     new_dir = ms.require(it + 1, needed_by="iteration_metrics")
     update, c_v = checkpoint_metrics(rollout_store, cfg.run_id, it, "policy", it + 1)

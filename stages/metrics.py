@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
+from stages.advantage_stream import join
+from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.algos.val_metrics import process_validation_metrics, val_metric_names
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
 from stages.io.stage_exec import Partition
+from stages.io.store import present_columns
 from stages.train.batching import is_null, loss_mask, row_masks
-from stages.train.critic import critic_metrics
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -289,8 +293,48 @@ def validation_metrics(scored: pd.DataFrame) -> dict[str, float]:
     return val_metric_names(nested)
 
 
-CRITIC_COLUMNS = ["rollout_id", "response_token_ids", "response_mask", "returns", "token_advantages"]
-"""The advantages columns the critic's data metrics read (critic_data_metrics, PPO with GAE only)."""
+def counted_tokens(mask: pa.Array | None, lengths: np.ndarray) -> np.ndarray:
+    """(T,) bool over a batch's flattened response tokens (T = lengths.sum()): a model token (response_mask 1, or a
+    row without a mask); observation tokens (0) are not counted, as loss_mask leaves them out."""
+    out = np.ones(int(lengths.sum()), dtype=bool)
+    if mask is None or mask.null_count == len(mask):
+        return out
+    has = ~mask.is_null().to_numpy(zero_copy_only=False)
+    in_masked_row = has[np.repeat(np.arange(len(lengths)), lengths)]
+    flat = pc.list_flatten(mask).to_numpy(zero_copy_only=False)
+    if len(flat) != int(in_masked_row.sum()):
+        raise ValueError("advantages rows hold a response_mask of another length than their token_advantages")
+    out[in_masked_row] = flat > 0
+    return out
+
+
+def streamed_critic_data_metrics(
+    advantages: Partition, values: Partition, batch_rows: int | None = None
+) -> dict[str, float]:
+    """critic_data_metrics of the two partitions, streamed: the values joined to the advantages rows by rollout_id
+    (stages.advantage_stream.join: a merge join, record batch by record batch), the counted tokens of each batch
+    merged into CriticDataMoments. Never a whole list column in memory."""
+    ids, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for batch in advantages.record_batches(["rollout_id", "token_advantages"], batch_rows):
+        ids.append(batch["rollout_id"].to_numpy())
+        lengths.append(pc.list_value_length(batch["token_advantages"]).to_numpy(zero_copy_only=False))
+    kept = pd.DataFrame({"rollout_id": np.concatenate(ids), "response_length": np.concatenate(lengths)})
+    rows, moments, first = join(values, "values", kept, batch_rows).rows(), CriticDataMoments(), 0
+    columns = present_columns(
+        advantages.uri, ["returns", "token_advantages", "response_mask"], version=advantages.version
+    )
+    for batch in advantages.record_batches(columns, batch_rows):
+        k = batch.num_rows
+        if k:
+            mask = batch["response_mask"] if "response_mask" in batch.schema.names else None
+            counted = counted_tokens(mask, kept["response_length"].to_numpy()[first : first + k])
+            flat = [
+                pc.list_flatten(c).to_numpy(zero_copy_only=False)[counted]
+                for c in (rows.take(first, k)["values"], batch["returns"], batch["token_advantages"])
+            ]
+            moments.add(*flat)
+        first += k
+    return moments.metrics()
 
 
 def iteration_metrics(
@@ -299,7 +343,7 @@ def iteration_metrics(
     *,
     update_metrics: dict[str, float],
     timings: dict[str, float],
-    values: pd.DataFrame | None = None,
+    values: Partition | None = None,
     critic_update_metrics: dict[str, float] | None = None,
     batch_rows: int | None = None,
 ) -> dict[str, float]:
@@ -311,7 +355,7 @@ def iteration_metrics(
     m = streamed_rollout_metrics(scored, advantages, batch_rows=batch_rows)
     m |= dict(update_metrics) | timings
     if values is not None and critic_update_metrics is not None:  # PPO with a critic: critic/vf_loss, ...
-        m |= critic_metrics(advantages.read(CRITIC_COLUMNS), values, critic_update_metrics)
+        m |= streamed_critic_data_metrics(advantages, values, batch_rows) | dict(critic_update_metrics)
     m["timing_s/step"] = sum(m.get(k, 0.0) for k in STEP_TIMINGS)
     return m
 

@@ -35,8 +35,8 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
+from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.losses import GlobalBatch
-from stages.algos.masking import masked_mean, masked_var
 from stages.io.checkpoints import OPTIMIZER_FILE, checkpoint_target, resolve_model_dir, save_optimizer_state, writing
 from stages.models.policy import load_tokenizer
 from stages.train.batching import (
@@ -57,7 +57,6 @@ __all__ = [
     "OPTIMIZER_FILE",
     "compute_values",
     "critic_data_metrics",
-    "critic_metrics",
     "critic_update",
     "init_critic",
     "load_critic",
@@ -310,35 +309,17 @@ def run_critic_update(
 def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[str, float]:
     """verl's compute_data_metrics critic part over the model's response tokens (observation tokens left out):
     critic/values|returns|advantages/mean|max|min and critic/vf_explained_var = 1 - Var(returns - values) /
-    Var(returns)."""
+    Var(returns) (stages.algos.critic_moments), of frames held here; the iteration_metrics stage streams the
+    partitions instead (stages.metrics.streamed_critic_data_metrics)."""
     df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="inner")
     lengths = df["response_token_ids"].map(len).tolist()
     width = max(1, max(lengths, default=1))
-    mask = loss_mask(lengths, width, row_masks(df.get("response_mask")))  # (N, L)
-    tensors = {
-        name: ragged_to_padded(df[col], width)
-        for name, col in (("values", "values"), ("returns", "returns"), ("advantages", "token_advantages"))
-    }
-    out = {}
-    counted = mask > 0
-    for name, t in tensors.items():
-        sel = t[counted] if counted.any() else torch.zeros(1)
-        out |= {
-            f"critic/{name}/mean": float(masked_mean(t, mask)),
-            f"critic/{name}/max": float(sel.max()),
-            f"critic/{name}/min": float(sel.min()),
-        }
-    var_ret = masked_var(tensors["returns"], mask)
-    out["critic/vf_explained_var"] = float(
-        1.0 - masked_var(tensors["returns"] - tensors["values"], mask) / (var_ret + 1e-5)
+    counted = loss_mask(lengths, width, row_masks(df.get("response_mask"))) > 0  # (N, L)
+    moments = CriticDataMoments()
+    moments.add(
+        *(ragged_to_padded(df[col], width)[counted].numpy() for col in ("values", "returns", "token_advantages"))
     )
-    return out
-
-
-def critic_metrics(advantages: pd.DataFrame, values: pd.DataFrame, update_metrics: dict) -> dict[str, float]:
-    """An iteration's critic metrics: the data metrics plus the update's (returned by the critic update and
-    recorded in the `checkpoints` table row of critic version v+1)."""
-    return critic_data_metrics(advantages, values) | dict(update_metrics)
+    return moments.metrics()
 
 
 def prune_critics(store, keep_every: int, latest: int) -> list[int]:
