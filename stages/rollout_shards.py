@@ -55,7 +55,7 @@ class NumberRollouts:
     stamp: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, prompts: pd.DataFrame, out: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
-        if len(out):
+        if len(prompts):
             self._check(prompts, out)
         ids = out[FIRST_ID].to_numpy(dtype=np.int64) + out["sample_index"].to_numpy(dtype=np.int64)
         out = out.assign(rollout_id=ids, **self.stamp).drop(columns=[FIRST_ID, ROW])
@@ -64,10 +64,12 @@ class NumberRollouts:
 
     def _check(self, prompts: pd.DataFrame, out: pd.DataFrame) -> None:
         """Every prompt got exactly samples 0..n-1: else ids would collide or leave holes."""
-        counts = out.groupby(FIRST_ID)["sample_index"].agg(["count", "min", "max", "nunique"])
-        bad = (counts["count"] != self.n) | (counts["min"] != 0) | (counts["max"] != self.n - 1)
-        bad |= counts["nunique"] != self.n
-        if bad.any() or len(counts) != len(prompts):
+        bad = len(out) == 0
+        if not bad:
+            counts = out.groupby(FIRST_ID)["sample_index"].agg(["count", "min", "max", "nunique"])
+            bad = bool(((counts["count"] != self.n) | (counts["nunique"] != self.n)).any())
+            bad |= bool(((counts["min"] != 0) | (counts["max"] != self.n - 1)).any()) or len(counts) != len(prompts)
+        if bad:
             raise ValueError(
                 f"the engine returned {len(out)} samples for {len(prompts)} prompts, not rollout.n = {self.n} "
                 "each numbered 0..n-1: a rollout's id is its prompt's place times n plus its sample index, so "

@@ -40,6 +40,8 @@ def test_an_engine_that_returns_another_count_is_refused() -> None:
     rank = rollout_order(pd.DataFrame({"prompt_id": [0, 1], "group_id": [0, 1]}), n=2)
     with pytest.raises(ValueError, match="returned 3 samples for 2 prompts, not rollout.n = 2"):
         NumberRollouts(2)(rank, _samples(rank, 2).iloc[:3])
+    with pytest.raises(ValueError, match="returned 0 samples for 2 prompts"):
+        NumberRollouts(2)(rank, pd.DataFrame())
     with pytest.raises(ValueError, match="not rollout.n = 2"):  # right count, one sample twice
         NumberRollouts(2)(rank, _samples(rank, 2).assign(sample_index=[0, 0, 0, 1]))
 
