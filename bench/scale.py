@@ -10,7 +10,8 @@ scored_rollouts, advantages and iteration_metrics assets run (recorded-version r
 write with lineage, metadata) and reports its RSS after imports, each step's own peak RSS (the peak counter reset
 when the step begins) and seconds per part; a third runs the iteration_metrics step alone (its footprint).
 --iterations: grows a run's tables (tiny_cpu's GRPO DAG) one small partition per table per iteration (real writes
-with lineage, MLflow metrics and dataset inputs), and at each N times iteration N's bookkeeping by call site.
+with lineage, MLflow metrics and dataset inputs), and at each N times iteration N's bookkeeping by call site
+(--repeat k: k iterations from N on, the median of each number).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import pstats
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -401,8 +403,25 @@ def bookkeeping(store, tracker, cfg, it: int, frames: dict) -> dict:
     return {"iteration": it, "per_iteration_s": per_iteration, "calls_s": dict(clock), **counts, "files": files}
 
 
-def run_iterations(counts: list[int]) -> list[dict]:
-    """Grow one run to each count in turn (tight loop of writes + MLflow inputs), measuring iteration N each time."""
+def measured(store, tracker, cfg, n: int, frames: dict, repeat: int) -> dict:
+    """bookkeeping of iterations n, n+2, ... (`repeat` of them), each number the median over them (the machine is
+    shared: one sample is noise). Between two, one untimed write_iteration opens again the copies the previous
+    one's new-process part dropped (forget_tables), as the grow loop leaves them before the first."""
+    rows = []
+    for r in range(repeat):
+        if r:
+            write_iteration(store, cfg, n + 2 * r - 1, frames)
+        rows.append(bookkeeping(store, tracker, cfg, n + 2 * r, frames))
+        stop_counting()
+    mid = statistics.median
+    calls = {k: mid(r["calls_s"][k] for r in rows) for k in rows[0]["calls_s"]}
+    numbers = {k: mid(r[k] for r in rows) for k in ("per_iteration_s", "opens", "history")}
+    return {**rows[0], **numbers, "calls_s": calls, "files": rows[-1]["files"], "samples": rows}
+
+
+def run_iterations(counts: list[int], repeat: int = 1) -> list[dict]:
+    """Grow one run to each count in turn (tight loop of writes + MLflow inputs), measuring iteration N each time
+    (`repeat` iterations from N on: the medians)."""
     tmp = Path(tempfile.mkdtemp(prefix="rlake-scale-it-"))
     cfg, store = run_of(tmp)
     tracker = TrackerResource(tracking_uri=f"sqlite:///{tmp}/mlflow.db", artifact_root=str(tmp / "mlartifacts"))
@@ -418,9 +437,8 @@ def run_iterations(counts: list[int]) -> list[dict]:
             entries = [{"table": t, "uri": str(store.uri(t)), "version": versions[t]} for t in LOGGED]
             client.log_inputs(mlflow_id, datasets=[delta_dataset_input(e, it) for e in entries])
         grow = time.perf_counter() - t0
-        row = bookkeeping(store, tracker, cfg, n, frames) | {"grow_s": grow}
-        stop_counting()
-        done = n + 1
+        row = measured(store, tracker, cfg, n, frames, repeat) | {"grow_s": grow}
+        done = n + 2 * repeat - 1
         out.append(row)
         print(f"iteration {n}: {row['per_iteration_s']:.2f} s (grown in {grow:.0f} s)", file=sys.stderr, flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -441,6 +459,7 @@ def main() -> int:
     ap.add_argument("--rollouts", default="", help="comma-separated sizes, e.g. 1000,10000,100000")
     ap.add_argument("--tokens", type=int, default=256, help="mean response tokens (prompts: half)")
     ap.add_argument("--iterations", default="", help="comma-separated iteration counts, e.g. 10,100,1000")
+    ap.add_argument("--repeat", type=int, default=1, help="--iterations: measured iterations per N (medians)")
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--profile", action="store_true", help="cProfile + tracemalloc of the steps (slower)")
     ap.add_argument("--one-size", nargs=4, help=argparse.SUPPRESS)  # N, phase (prepare|steps), root, result file
@@ -461,7 +480,7 @@ def main() -> int:
         report["rollouts"] = run_sizes([int(x) for x in args.rollouts.split(",")], args.tokens, args.profile)
         print(rollouts_tables(report["rollouts"]))
     if args.iterations:
-        report["iterations"] = run_iterations([int(x) for x in args.iterations.split(",")])
+        report["iterations"] = run_iterations([int(x) for x in args.iterations.split(",")], args.repeat)
         print(iterations_table(report["iterations"]))
     print(f"\n{report['cpu']}, commit {report['commit']}, {report['date']}")
     if args.json:

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from deltalake import CommitProperties, DeltaTable
+from deltalake import CommitProperties
 from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
@@ -40,6 +40,7 @@ from stages.io.store import (
     LINEAGE_PREFIX,
     TABLE_CONFIGURATION,
     Options,
+    _forget_absent,
     _open,
     code_version,
     empty_partition_error,
@@ -231,7 +232,8 @@ def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration,
         meta[LINEAGE_PREFIX + "write_nodes"] = json.dumps(nodes)
     props = CommitProperties(custom_metadata=meta)
     path, opts = _open(uri, storage_options)
-    if not DeltaTable.is_deltatable(path, storage_options=opts):
+    _forget_absent(path, opts)  # whether to create the table is looked up, never taken from a pinned() scope
+    if not table_exists(uri, storage_options=storage_options):  # an open local table: a stat, not a log listing
         create_table_with_add_actions(
             path,
             DeltaSchema.from_arrow(full),

@@ -29,7 +29,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import ray
 
-from stages.io import dataset_io, store, uris
+from stages.io import commit_reads, dataset_io, store, uris
 from stages.io.store import Options
 
 BATCH_ROWS = 4096
@@ -56,6 +56,10 @@ def partition_rows(
     uri: str, run_id: str, iteration: int, *, version: int | None = None, storage_options: Options = None
 ) -> int:
     """Rows of partition (run_id, iteration) at `version`, summed from the add actions' numRecords stats."""
+    if version is not None:  # the version's own commit, when it wrote the partition whole: no time travel (#36)
+        rows = commit_reads.written_rows(*store.commit_key(uri, storage_options), run_id, iteration, version)
+        if rows is not None:
+            return rows
     actions = dataset_io.partition_actions(uri, run_id, iteration, version=version, storage_options=storage_options)
     counts = actions.get("num_records", [])
     if any(c is None for c in counts):  # a file written without stats: count its rows (metadata only)
@@ -69,6 +73,10 @@ def choose_mode(rows: int, data_min_rows: int | None) -> str:
 
 
 def _dataset(uri: str, run_id: str, iteration: int, version: int | None, storage_options: Options) -> pads.Dataset:
+    if version is not None:  # the version's own commit, when it wrote the partition whole: no time travel (#36)
+        ds = commit_reads.written_dataset(*store.commit_key(uri, storage_options), run_id, iteration, version)
+        if ds is not None:
+            return ds
     dt = store.open_table(uri, version=version, storage_options=storage_options)
     return dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
 
