@@ -24,6 +24,7 @@ from stages.advantage import uses_adaptive_kl
 from stages.advantage_stream import Upstream, stream_advantages
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
 from stages.reward import ModelScores, score_partition
+from stages.scored_tokens import ScoredRollouts
 
 
 @dg.asset(
@@ -123,15 +124,16 @@ def advantages(
     def part(needed: bool, table: str, iteration: int = it):
         return upstream_partition(context, rollout_store, table, cfg.run_id, iteration) if needed else None
 
+    rollouts = part(True, "rollouts")  # the token columns, stored there once (stages/scored_tokens.py)
     up = Upstream(
-        scored=part(True, "scored_rollouts"),
+        scored=ScoredRollouts(part(True, "scored_rollouts"), rollouts),
         old=part(True, "old_logprobs"),
         ref=part(uses_reference(cfg), "ref_logprobs"),
         values=part(uses_critic(cfg), "values"),
         teacher=part(uses_teacher(cfg), "teacher_logprobs"),
         previous=part(uses_adaptive_kl(cfg) and it > 0, "advantages", it - 1),  # adaptive KL: beta from it-1
     )
-    tables = {"scored_rollouts": up.scored, "values": up.values, "ref_logprobs": up.ref}
+    tables = {"scored_rollouts": up.scored, "rollouts": rollouts, "values": up.values, "ref_logprobs": up.ref}
     tables |= {"teacher_logprobs": up.teacher, "old_logprobs": up.old, "advantages": up.previous}
     read_versions = {t: p.version for t, p in tables.items() if p is not None}
     meta = partial(lineage, cfg, stage="advantages", policy_version=it, upstream=read_versions)

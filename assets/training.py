@@ -33,6 +33,7 @@ from stages.metrics import iteration_metrics as compute_iteration_metrics
 from stages.metrics import validates
 from stages.models.policy import load_tokenizer
 from stages.run.resume import trainer_state_files
+from stages.scored_tokens import ScoredRollouts
 from stages.update import run_update, update_request
 from stages.workers.group import worker_placements
 
@@ -174,7 +175,8 @@ def measure_iteration(
     stage over the iteration's recorded partitions, the updates' recorded metrics, the stages' timings and, when
     it validates, the validation of the new policy."""
     it = iteration_of(context)
-    scored = upstream_partition(context, rollout_store, "scored_rollouts", cfg.run_id, it)  # streamed: no rows here
+    rollouts = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)  # the token columns
+    scored = ScoredRollouts(upstream_partition(context, rollout_store, "scored_rollouts", cfg.run_id, it), rollouts)
     adv = upstream_partition(context, rollout_store, "advantages", cfg.run_id, it)
     critic_used = uses_critic(cfg)  # the values partition streamed like the others
     values = upstream_partition(context, rollout_store, "values", cfg.run_id, it) if critic_used else None
@@ -187,7 +189,8 @@ def measure_iteration(
         scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic
     )
     val, val_metrics = validation(context, cfg, rollout_store, ms, ray, it, new_dir)
-    read_versions = {"scored_rollouts": scored.version, "advantages": adv.version, "checkpoints": c_v}
+    read_versions = {"scored_rollouts": scored.version, "rollouts": rollouts.version, "advantages": adv.version}
+    read_versions["checkpoints"] = c_v
     return m | val_metrics, val, read_versions
 
 

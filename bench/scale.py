@@ -60,6 +60,7 @@ from stages.metrics import iteration_metrics
 from stages.reward import score_partition, score_rollouts
 from stages.run.machine import cpu_description
 from stages.run.resume import completed_iterations
+from stages.scored_tokens import ScoredRollouts
 from stages.workers.connect import ensure_ray_for
 
 RUN = "scale"
@@ -213,6 +214,7 @@ def advantages_step(cfg, store, clock: Clock) -> None:
     (stages/advantage_stream.py: scalar columns, dense tensors, the output written batch by batch), metadata."""
     with clock("advantages.read"):  # the recorded versions only: the stage streams the partitions
         scored, old = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in ADV_READS)
+        scored = ScoredRollouts(scored, Partition(store.uri("rollouts"), RUN, 0, recorded_at(store, "rollouts", 0)))
     with clock("advantages.compute+write"):
         up = {"scored_rollouts": scored.version, "old_logprobs": old.version}
         meta = lineage(cfg, stage="advantages", policy_version=0, upstream=up, duration_s=0.0)
@@ -226,6 +228,7 @@ def metrics_step(cfg, store, clock: Clock) -> None:
     """The iteration_metrics step as assets/training.py runs it: the recorded versions, the two partitions streamed."""
     with clock("metrics.read"):  # the recorded versions only: the stage streams the two partitions
         scored, adv = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in STREAMED)
+        scored = ScoredRollouts(scored, Partition(store.uri("rollouts"), RUN, 0, recorded_at(store, "rollouts", 0)))
     with clock("metrics.compute"):
         timings = stage_timings(store, RUN, 0)
         m = iteration_metrics(scored, adv, update_metrics={}, timings=timings)

@@ -85,7 +85,7 @@ FLOW = [
     (
         "advantage.py",
         "advantages",
-        "scored_rollouts, old_logprobs (+ ref, values)",
+        "scored + rollouts, old_logprobs (+ ref, values)",
         None,
         "streamed in the step: batches merge-joined\n(stages/algos), one file per batch",
         "advantages",

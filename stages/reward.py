@@ -49,12 +49,12 @@ from stages.data.custom_reward import (
 from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import Scorer, scorer_for
 from stages.io.stage_exec import Lineage, StageRun, read_columns, run_table_stage
-from stages.io.tables import SCHEMAS
+from stages.io.tables import ROLLOUT_TOKEN_COLUMNS, SCHEMAS
 from stages.judge import combine_judge_scores
 from stages.reward_model import combine_rm_scores, reward_model_scores
 from stages.workers.tasks import map_with_tasks
 
-_OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names)
+_OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names) | frozenset(ROLLOUT_TOKEN_COLUMNS)
 """Names an extra key may not take: rlake's own scored_rollouts columns."""
 _PLUMBING = (__file__, custom_reward_module.__file__)
 """rlake's own frames between the stage and a scorer: never the frame a reward error names."""

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from stages.io.tables import ROLLOUT_TOKEN_COLUMNS
+
 FIRST_ID = "_first_rollout_id"
 """A prompt row's first rollout_id in its pass (sent to the rank with the prompt, dropped before the write)."""
 ROW = "_batch_row"
@@ -27,7 +29,7 @@ SAMPLES = 4
 """Rows a pass's summary keeps for the asset's sample table (the first ones by rollout_id)."""
 SAMPLE_COLUMNS = ("rollout_id", "prompt_text", "response_text", "finish_reason")
 """A summary's sample rows' columns (a frame without one, e.g. a test's prompts without text, gets "")."""
-TOKEN_COLUMNS = ("prompt_token_ids", "response_token_ids", "rollout_logprobs", "response_mask", "turns")
+TOKEN_COLUMNS = ROLLOUT_TOKEN_COLUMNS
 """The per-token columns of a rollout: what a reader that needs the text and the scores leaves on disk."""
 
 

@@ -67,6 +67,11 @@ ROLLOUT_FIELDS = [
     pa.field("turns", pa.list_(pa.struct(_TURN_FIELDS))),
 ]
 
+ROLLOUT_TOKEN_COLUMNS = ("prompt_token_ids", "response_token_ids", "rollout_logprobs", "response_mask", "turns")
+"""A rollout's per-token columns. Stored once, in `rollouts`: `scored_rollouts` keeps each rollout's other columns
+and its rewards, and its readers take the token columns from the rollouts partition it was scored from
+(stages/scored_tokens.py; a scored_rollouts partition written before holds copies, which they leave)."""
+
 REWARD_FIELDS = [
     pa.field("reward", pa.float64()),
     pa.field("reward_fn", pa.string()),
@@ -112,7 +117,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
     "rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS),
-    "scored_rollouts": pa.schema(_KEYS + ROLLOUT_FIELDS + REWARD_FIELDS),
+    "scored_rollouts": pa.schema(
+        _KEYS + [f for f in ROLLOUT_FIELDS if f.name not in ROLLOUT_TOKEN_COLUMNS] + REWARD_FIELDS
+    ),
     "advantages": pa.schema(
         _KEYS
         + [

@@ -99,7 +99,7 @@ def test_grpo_kl_loss_uses_the_reference_table(run_algorithm) -> None:
     assert diff.min() > -1e-4 and np.abs(diff).mean() < 1e-3 and np.abs(diff).max() < 2e-2, (diff.min(), diff.max())
     assert all(len(a) == n for a, n in zip(adv["ref_logprobs"], adv["response_token_ids"].map(len)))
     (commit,) = store.commit_lineage(str(r.out / "tables" / "advantages"), run_id=r.run_id, iteration=0)
-    assert set(commit["upstream"]) == {"scored_rollouts", "ref_logprobs", "old_logprobs"}
+    assert set(commit["upstream"]) == {"scored_rollouts", "rollouts", "ref_logprobs", "old_logprobs"}
     (kl_loss,) = r.metrics("actor/kl_loss")
     assert np.isfinite(kl_loss) and kl_loss >= 0
     assert r.metrics("actor/pg_loss") and r.metrics("critic/score/mean")

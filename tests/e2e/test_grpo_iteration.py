@@ -41,7 +41,7 @@ def test_every_table_has_schema_rows_and_lineage(trained) -> None:
         (c,) = store.commit_lineage(str(out / "tables" / "advantages"), run_id=RUN, iteration=it)
         read = {
             name: store.commit_lineage(str(out / "tables" / name), run_id=RUN, iteration=it)[0]["version"]
-            for name in ("scored_rollouts", "old_logprobs")
+            for name in ("scored_rollouts", "rollouts", "old_logprobs")  # rollouts: the token columns
         }
         assert c["upstream"] == read and c["policy_version"] == str(it)
 

@@ -62,7 +62,14 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
     assert up["rollouts"] == {"prompt_batches"}
     assert up["scored_rollouts"] == {"rollouts", "judgements"} and up["judgements"] == {"rollouts"}
     assert up["old_logprobs"] == {"rollouts"} and up["turns"] == {"rollouts"}
-    assert up["advantages"] == {"scored_rollouts", "values", "ref_logprobs", "teacher_logprobs", "old_logprobs"}
+    assert up["advantages"] == {
+        "scored_rollouts",
+        "rollouts",
+        "values",
+        "ref_logprobs",
+        "teacher_logprobs",
+        "old_logprobs",
+    }
     assert up["teacher_logprobs"] == {"rollouts"}
     assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}

@@ -104,7 +104,11 @@ def test_rescore_reads_recorded_rollouts_version_and_writes_one_partition(run) -
     _materialize(out, instance, "advantages", ["reward.score=2.0", "reward.format_score=0.5"])
     adv_commit = store.commit_lineage(_uri(out, "advantages"), run_id=RUN, iteration=0)[0]
     old_logprobs_version = store.commit_lineage(_uri(out, "old_logprobs"), run_id=RUN, iteration=0)[0]["version"]
-    assert adv_commit["upstream"] == {"scored_rollouts": before + 1, "old_logprobs": old_logprobs_version}
+    assert adv_commit["upstream"] == {
+        "scored_rollouts": before + 1,
+        "rollouts": recorded,  # the token columns (stages/scored_tokens.py), not the newer version
+        "old_logprobs": old_logprobs_version,
+    }
     adv = store.read_partition(_uri(out, "advantages"), RUN, 0)
     assert set(adv["reward"]) <= {0.0, 0.5, 2.0}
 

@@ -18,6 +18,7 @@ from stages.advantage import iteration_advantages
 from stages.advantage_stream import Upstream, stream_advantages
 from stages.io import store
 from stages.io.stage_exec import Partition, write_frames
+from stages.scored_tokens import ScoredRollouts
 
 RUN = "s"
 N = 48
@@ -64,14 +65,20 @@ def _token_table(
     return pd.DataFrame({"rollout_id": rows["rollout_id"].to_numpy(), column: lists, **extra})
 
 
-def _write(tmp_path, name: str, df: pd.DataFrame, it: int = 1, files: int = 1) -> Partition:
-    """The partition written as `files` Parquet files (a Ray-block write's layout), in the frame's row order."""
+def _write(tmp_path, name: str, df: pd.DataFrame, it: int = 1, files: int = 1) -> Partition | ScoredRollouts:
+    """The partition written as `files` Parquet files (a Ray-block write's layout), in the frame's row order.
+    scored_rollouts: its token columns go to a rollouts partition, as the stages write them (scored_tokens.py)."""
+    if name == "scored_rollouts":
+        return ScoredRollouts(
+            _write(tmp_path, name + "_table", df, it, files), _write(tmp_path, "rollouts", df, it, files)
+        )
+    table = name.removesuffix("_table")
     uri = str(tmp_path / name)
     if files == 1:
-        version = store.write_partition(uri, name, df, run_id=RUN, iteration=it, lineage={})
+        version = store.write_partition(uri, table, df, run_id=RUN, iteration=it, lineage={})
     else:
         frames = [df.iloc[rows] for rows in np.array_split(np.arange(len(df)), files)]
-        version = write_frames(frames, uri, name, run_id=RUN, iteration=it, lineage={})
+        version = write_frames(frames, uri, table, run_id=RUN, iteration=it, lineage={})
     return Partition(uri, RUN, it, version)
 
 

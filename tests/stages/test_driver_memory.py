@@ -102,6 +102,7 @@ def _child(tables: str, iteration: int) -> None:
     from stages.advantage_stream import Upstream, stream_advantages
     from stages.io import stage_exec
     from stages.reward import score_partition
+    from stages.scored_tokens import ScoredRollouts
 
     stage_exec.BATCH_ROWS = 1000
     src, scored = f"{tables}/rollouts", f"{tables}/scored_rollouts_{iteration}"
@@ -110,8 +111,10 @@ def _child(tables: str, iteration: int) -> None:
         run = score_partition(
             RewardConfig(), src, scored, run_id=RUN, iteration=it, version=None, lineage={}, data_min_rows=None
         )
-        up = Upstream(
-            stage_exec.Partition(scored, RUN, it, run.version),
+        up = Upstream(  # the token columns come from the rollouts partition (stages/scored_tokens.py)
+            ScoredRollouts(
+                stage_exec.Partition(scored, RUN, it, run.version), stage_exec.Partition(src, RUN, it, None)
+            ),
             old=stage_exec.Partition(f"{tables}/old_logprobs", RUN, it, None),
         )
         stream_advantages(RunConfig(), up, f"{tables}/advantages_{iteration}", lineage={}, batch_rows=1000)

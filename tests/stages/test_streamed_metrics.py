@@ -14,6 +14,7 @@ from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.io import store
 from stages.io.stage_exec import Partition, iter_partition_batches, run_table_stage
 from stages.metrics import iteration_metrics, rollout_metrics
+from stages.scored_tokens import ScoredRollouts
 
 RUN = "m"
 
@@ -80,8 +81,9 @@ def _advantages(scored: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
 def lake(tmp_path_factory) -> dict[str, str]:
     root, rng = tmp_path_factory.mktemp("lake"), np.random.default_rng(0)
     scored = _scored(64, rng)
-    uris = {t: str(root / t) for t in ("scored_rollouts", "advantages")}
+    uris = {t: str(root / t) for t in ("scored_rollouts", "rollouts", "advantages")}
     store.write_partition(uris["scored_rollouts"], "scored_rollouts", scored, run_id=RUN, iteration=0, lineage={})
+    store.write_partition(uris["rollouts"], "rollouts", scored, run_id=RUN, iteration=0, lineage={})  # the tokens
     adv = _advantages(scored, rng)
     store.write_partition(uris["advantages"], "advantages", adv, run_id=RUN, iteration=0, lineage={})
     return uris
@@ -96,11 +98,10 @@ def _same(a: dict, b: dict, rel: float = 0.0) -> None:
 
 @pytest.mark.parametrize("batch_rows", [None, 7])
 def test_streamed_metrics_equal_the_whole_frame(lake, batch_rows) -> None:
-    whole = rollout_metrics(
-        store.read_partition(lake["scored_rollouts"], RUN, 0), store.read_partition(lake["advantages"], RUN, 0), 16
-    )
+    scored = ScoredRollouts(Partition(lake["scored_rollouts"], RUN, 0, 0), Partition(lake["rollouts"], RUN, 0, 0))
+    adv = Partition(lake["advantages"], RUN, 0, 0)
+    whole = rollout_metrics(scored.read(), store.read_partition(lake["advantages"], RUN, 0), 16)
     assert {"multi_turn/tool_error_rate", "response_length/model_tokens_mean", *PROBS_DIFF_KEYS} <= set(whole)
-    scored, adv = (Partition(lake[t], RUN, 0, 0) for t in ("scored_rollouts", "advantages"))
     streamed = iteration_metrics(scored, adv, update_metrics={}, timings={}, batch_rows=batch_rows)
     del streamed["timing_s/step"]
     per_row = {k: v for k, v in whole.items() if k not in PROBS_DIFF_KEYS}
@@ -124,13 +125,13 @@ def test_batches_fill_columns_older_files_lack(tmp_path) -> None:
 def test_batches_read_files_written_from_arrow_backed_frames(tmp_path) -> None:
     """A stage output whose frame has Arrow-backed columns (Ray Data's pandas batches) streams back as a whole
     read gives it (the files used to carry pandas metadata naming dtypes pandas cannot parse back)."""
-    source, target = str(tmp_path / "scored_rollouts"), str(tmp_path / "out")
+    source, target = str(tmp_path / "rollouts"), str(tmp_path / "out")
     store.write_partition(
-        source, "scored_rollouts", _scored(16, np.random.default_rng(2)), run_id=RUN, iteration=0, lineage={}
+        source, "rollouts", _scored(16, np.random.default_rng(2)), run_id=RUN, iteration=0, lineage={}
     )
     tokens = pd.ArrowDtype(pa.list_(pa.int32()))
     arrow_backed = lambda df: df.assign(prompt_token_ids=pd.array(df["prompt_token_ids"].tolist(), dtype=tokens))  # noqa: E731
-    run_table_stage(arrow_backed, source, target, "scored_rollouts", run_id=RUN, iteration=0, version=None, lineage={})
+    run_table_stage(arrow_backed, source, target, "rollouts", run_id=RUN, iteration=0, version=None, lineage={})
     (batch,) = iter_partition_batches(target, RUN, 0)
     assert (
         batch["prompt_token_ids"].map(list).tolist()
