@@ -1,8 +1,10 @@
 """verl's critic data metrics (`compute_data_metrics`, its critic part) as mergeable moments, so a stream of
 batches gives the numbers of the whole batch without holding it.
 
-Shape legend: T counted response tokens of one batch of rollouts (a model token of a rollout's response; an
-observation token of a multi-turn rollout is not counted), flattened row after row.
+Shape legend: B prompts, G samples per prompt, N = B*G rollouts, P prompt len,
+L response len, T = P+L, V vocab. Masks are float {0,1}, 1 = counted in the loss.
+Here K = the counted response tokens of a batch of rollouts (the (N, L) mask's ones: a model token of a response;
+an observation token of a multi-turn rollout is not counted), flattened row after row.
 
 Over all counted tokens of the iteration: critic/{values,returns,advantages}/{mean,max,min} and
 critic/vf_explained_var = 1 - Var(returns - values) / (Var(returns) + 1e-5), each variance unbiased (Bessel's
@@ -31,7 +33,7 @@ class Moments:
     m2: float = 0.0
 
     def add(self, x: np.ndarray) -> None:
-        """Merge the numbers x (T,) in (Chan et al.'s pairwise update)."""
+        """Merge the numbers x (K,) in (Chan et al.'s pairwise update)."""
         if not len(x):
             return
         x = np.asarray(x, dtype=np.float64)
@@ -63,9 +65,9 @@ class CriticDataMoments:
         """One batch's counted tokens.
 
         Args:
-            values: (T,) the critic's values of the batch's counted tokens.
-            returns: (T,) their GAE returns.
-            advantages: (T,) their token advantages.
+            values: (K,) the critic's values of the batch's counted tokens.
+            returns: (K,) their GAE returns.
+            advantages: (K,) their token advantages.
         """
         cols = {name: np.asarray(x, dtype=np.float64) for name, x in zip(NAMES, (values, returns, advantages))}
         if not len(cols["values"]):
