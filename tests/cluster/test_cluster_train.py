@@ -147,8 +147,9 @@ def _commits(env, table: str) -> list[dict]:
 
 def test_scoring_ran_on_every_node_and_the_ranks_wrote_their_rows(env, trained):
     """Each iteration's scored_rollouts ran on Ray Data with its map and write tasks spread over both nodes that
-    have CPUs (the head has none); old_logprobs' rows were written by the trainer rank on node a, the step only
-    committed them. Each commit names the nodes whose tasks or ranks wrote its files (rlake.write_nodes)."""
+    have CPUs (the head has none); old_logprobs' rows were written by the trainer rank on node a and the rollouts'
+    by the rollout rank on node b, the step (on the head) only committed them. Each commit names the nodes whose
+    tasks or ranks wrote its files (rlake.write_nodes)."""
     a, b = env.cluster.node("a").node_id, env.cluster.node("b").node_id
     nodes = {a: "a", b: "b"}
 
@@ -157,6 +158,7 @@ def test_scoring_ran_on_every_node_and_the_ranks_wrote_their_rows(env, trained):
 
     assert written("scored_rollouts") == [{"a", "b"}] * 2, written("scored_rollouts")
     assert written("old_logprobs") == [{"a"}] * 2, written("old_logprobs")
+    assert written("rollouts") == [{"b"}] * 2, written("rollouts")
 
 
 def test_tables_and_checkpoints_live_in_the_bucket(env, trained):
