@@ -56,7 +56,7 @@ from stages.algos.advantages import (
     outcome_to_token_rewards,
 )
 from stages.filter_groups import select_training_groups, split_baseline_rows
-from stages.io.stage_exec import BATCH_ROWS, Partition, write_frames
+from stages.io.stage_exec import BATCH_ROWS, MergeTake, Partition, stream_places, write_frames
 from stages.train.batching import loss_mask, row_masks
 
 SCALARS = ["rollout_id", "group_id", "policy_version", "reward", "response_length", "is_baseline", "score"]
@@ -143,15 +143,12 @@ def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None
         ids.append(batch["rollout_id"].to_numpy())
         lengths.append(pc.list_value_length(batch[column]).to_numpy(zero_copy_only=False))
     src, wanted = np.concatenate(ids), kept["rollout_id"].to_numpy()
-    order = np.argsort(src, kind="stable")
-    loc = np.minimum(np.searchsorted(src[order], wanted), max(len(src) - 1, 0))
-    found = src[order][loc] == wanted if len(src) else np.zeros(len(wanted), bool)
+    positions, found = stream_places(src, wanted)
     if not found.all():
         raise ValueError(
             f"rollouts {wanted[~found][:10].tolist()} have no {what}; the {asset} table is from other rollouts: "
             f"re-materialize {asset} of this iteration after its rollouts"
         )
-    positions = order[loc]
     bad = wanted[np.concatenate(lengths)[positions] != kept["response_length"].to_numpy(dtype=np.int64)]
     if len(bad):
         raise ValueError(
@@ -162,30 +159,14 @@ def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None
     return Joined(part, which, positions, whole, batch_rows)
 
 
-class JoinedRows:
-    """One pass over a Joined table's kept rows: take(first, k), called with increasing `first`, gives kept rows
-    first..first+k. A merge join over the two streams: only the table's record batches from the first of those
-    rows to the last are held (or the `whole` columns are sliced)."""
+class JoinedRows(MergeTake):
+    """One pass over a Joined table's kept rows (stage_exec.MergeTake over its token and scalar columns): take(first,
+    k), called with increasing `first`, gives kept rows first..first+k. A merge join over the two streams, or the
+    `whole` columns sliced."""
 
     def __init__(self, joined: Joined):
         column, scalars, _, _ = JOINS[joined.which]
-        self.positions, self.whole = joined.positions, joined.whole
-        columns = [column, *scalars]
-        self.stream = None if joined.whole is not None else joined.part.record_batches(columns, joined.batch_rows)
-        self.held: list[pa.RecordBatch] = []
-        self.start = self.end = 0  # the held rows' places in the stream: start..end
-
-    def take(self, first: int, k: int) -> pa.Table:
-        """The table's columns for kept rows first..first+k, in that order."""
-        if self.whole is not None:
-            return self.whole.slice(first, k)
-        places = self.positions[first : first + k]
-        while self.end <= places[-1]:
-            self.held.append(next(self.stream))
-            self.end += self.held[-1].num_rows
-        while self.start + self.held[0].num_rows <= places[0]:
-            self.start += self.held.pop(0).num_rows
-        return pa.Table.from_batches(self.held).take(pa.array(places - self.start))
+        super().__init__(joined.part, [column, *scalars], joined.positions, joined.batch_rows, whole=joined.whole)
 
 
 def fill_rows(out: torch.Tensor, column: pa.Array | pa.ChunkedArray) -> None:

@@ -22,31 +22,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from stages.io.stage_exec import Partition
+from stages.io.stage_exec import MergeTake, Partition, stream_places
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS
-
-
-class MergeTake:
-    """Rows of a partition by their places in its stream, `positions` (one per output row, in output order): take(first,
-    k) gives output rows first..first+k, called with increasing `first`. Increasing positions: a merge, only the
-    record batches from the first to the last asked for are held; else the columns are read whole and taken."""
-
-    def __init__(self, part: Partition, columns: list[str], positions: np.ndarray, batch_rows: int | None) -> None:
-        self.positions, self.held, self.start, self.end = positions, [], 0, 0
-        merge = bool((np.diff(positions) > 0).all())
-        self.whole = None if merge else part.arrow(columns).take(pa.array(positions))
-        self.stream = part.record_batches(columns, batch_rows) if merge else None
-
-    def take(self, first: int, k: int) -> pa.Table:
-        if self.whole is not None:
-            return self.whole.slice(first, k)
-        places = self.positions[first : first + k]
-        while self.end <= places[-1]:
-            self.held.append(next(self.stream))
-            self.end += self.held[-1].num_rows
-        while self.start + self.held[0].num_rows <= places[0]:
-            self.start += self.held.pop(0).num_rows
-        return pa.Table.from_batches(self.held).take(pa.array(places - self.start))
 
 
 def stream_ids(part: Partition, batch_rows: int | None = None) -> np.ndarray:
@@ -81,10 +58,8 @@ class ScoredRollouts:
     @cached_property
     def positions(self) -> np.ndarray:
         """Each scored row's place in the rollouts stream; a scored rollout the rollouts lack is an error."""
-        mine, theirs = stream_ids(self.scored), stream_ids(self.rollouts)
-        order = np.argsort(theirs, kind="stable")
-        loc = np.minimum(np.searchsorted(theirs[order], mine), max(len(theirs) - 1, 0))
-        found = theirs[order][loc] == mine if len(theirs) else np.zeros(len(mine), bool)
+        mine = stream_ids(self.scored)
+        positions, found = stream_places(stream_ids(self.rollouts), mine)
         if not found.all():
             raise ValueError(
                 f"scored rollouts {mine[~found][:10].tolist()} are not in the rollouts partition (run "
@@ -92,7 +67,7 @@ class ScoredRollouts:
                 "they read: scored_rollouts was scored from other rollouts; re-materialize scored_rollouts of this "
                 "iteration"
             )
-        return order[loc]
+        return positions
 
     def columns(self) -> list[str]:
         own = [c for c in self.scored.columns() if c not in ROLLOUT_TOKEN_COLUMNS]

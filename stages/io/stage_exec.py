@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -191,6 +192,40 @@ class Partition:
         """The table's columns at this version, partition keys left out (no row is read)."""
         schema = _dataset(self.uri, self.run_id, self.iteration, self.version, self.storage_options).schema
         return [c for c in schema.names if c not in dataset_io.KEYS]
+
+
+def stream_places(ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each wanted id's place in `ids`, a table's key column in stream order; whether it is there at all)."""
+    order = np.argsort(ids, kind="stable")
+    loc = np.minimum(np.searchsorted(ids[order], wanted), max(len(ids) - 1, 0))
+    found = ids[order][loc] == wanted if len(ids) else np.zeros(len(wanted), bool)
+    return order[loc], found
+
+
+class MergeTake:
+    """Rows of a partition by their places in its stream, `positions` (one per output row, in output order):
+    take(first, k) gives output rows first..first+k, called with increasing `first`. Increasing positions: a merge
+    join, only the record batches from the first to the last row asked for are held; else the columns are taken
+    whole into that order (`whole`: already taken by the caller, to share across passes)."""
+
+    def __init__(
+        self, part: Partition, columns: list[str], positions: np.ndarray, batch_rows: int | None, whole=None
+    ) -> None:
+        if whole is None and not bool((np.diff(positions) > 0).all()):
+            whole = part.arrow(columns).take(pa.array(positions))
+        self.positions, self.whole, self.held, self.start, self.end = positions, whole, [], 0, 0
+        self.stream = part.record_batches(columns, batch_rows) if whole is None else None
+
+    def take(self, first: int, k: int) -> pa.Table:
+        if self.whole is not None:
+            return self.whole.slice(first, k)
+        places = self.positions[first : first + k]
+        while self.end <= places[-1]:
+            self.held.append(next(self.stream))
+            self.end += self.held[-1].num_rows
+        while self.start + self.held[0].num_rows <= places[0]:
+            self.start += self.held.pop(0).num_rows
+        return pa.Table.from_batches(self.held).take(pa.array(places - self.start))
 
 
 def read_columns(
