@@ -155,7 +155,7 @@ def written_rows(results: list[ShardResult], sink: Sink | None, columns: list[st
     if sink is None:
         return shard_frames(results)
     files = [r.files for r in results if r.files is not None and len(r.files)]
-    return dataset_io.read_written(sink.uri, pd.concat(files, ignore_index=True), columns)
+    return dataset_io.read_file_records(sink.uri, pd.concat(files, ignore_index=True), columns)
 
 
 def sample_rollouts(

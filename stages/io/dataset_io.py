@@ -95,7 +95,7 @@ def _read_files(batch: dict[str, Any], *, uri: str, options: dict | None, column
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def read_written(uri: str, files: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
+def read_file_records(uri: str, files: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
     """The rows of files written for a commit (write_block's records; not committed yet, or committed): `columns`
     of them (None: all), in the records' order, without the partition columns."""
     path, options = uris.target(uri), uris.options_of(uri)

@@ -95,7 +95,7 @@ def test_two_rollout_ranks_write_the_partition_in_rollout_id_order(ray_session, 
     sink = Sink(str(tmp_path / "rollouts"), "rollouts", "r", 0)
     results = generate_shards(batch, sink=sink, first_id=10, stamp={"gen_round": 0}, **kw)
     assert [r.frame for r in results] == [None, None] and [r.rows for r in results] == [4, 6]
-    written = [dataset_io.read_written(sink.uri, r.files, ["rollout_id"])["rollout_id"].tolist() for r in results]
+    written = [dataset_io.read_file_records(sink.uri, r.files, ["rollout_id"])["rollout_id"].tolist() for r in results]
     assert written == [list(range(10, 14)), list(range(14, 20))]  # one contiguous id range per rank, sorted
     version = commit_shards(sink, results, {"stage": "test"})
     table = store.read_partition(sink.uri, "r", 0, version=version)
