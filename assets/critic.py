@@ -22,7 +22,7 @@ from assets.common import (
     upstream_partition,
 )
 from assets.resources import ModelStoreResource, RolloutStoreResource, RunConfigResource
-from stages.critic_update import train_critic
+from stages.critic_checkpoint import train_critic
 from stages.io.checkpoints import checkpoint_target
 from stages.train.critic import prune_critics, require_critic
 from stages.values import rollout_values

@@ -16,7 +16,7 @@ from assets.common import (
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from stages.io.checkpoints import model_version
 from stages.io.tables import PROMPTS_ITERATION
-from stages.judge import judge_rollouts
+from stages.judgements import judge_rollouts
 from stages.workers.shard_io import Sink
 from stages.workers.sharded import commit_shards
 

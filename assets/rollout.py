@@ -20,9 +20,9 @@ from assets.resources import ModelStoreResource, RayResource, RolloutStoreResour
 from stages.io.stage_exec import read_columns, run_table_stage
 from stages.io.tables import PROMPTS_ITERATION
 from stages.models.policy import load_tokenizer
-from stages.prompt_batch import build_prompt_batch
-from stages.rollout import sample_rollouts
+from stages.prompt_batches import build_prompt_batch
 from stages.rollout_shards import merge_summaries
+from stages.rollouts import sample_rollouts
 from stages.turns import turns_table
 from stages.workers.shard_io import Sink
 from stages.workers.sharded import commit_shards
@@ -35,7 +35,7 @@ def prompt_batches(
     rollout_store: RolloutStoreResource,
     model_store: ModelStoreResource,
 ) -> dg.MaterializeResult:
-    """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized (stages/prompt_batch.py)."""
+    """This iteration's train_batch_size prompts (an epoch cursor, seeded), tokenized (stages/prompt_batches.py)."""
     cfg, it = run_config.load(), iteration_of(context)
     rows, version = read_recorded(context, rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
     with timed() as t:

@@ -20,10 +20,10 @@ from assets.common import (
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from configs.schema import RunConfig
-from stages.advantage import uses_adaptive_kl
 from stages.advantage_stream import Upstream, stream_advantages
+from stages.advantages import uses_adaptive_kl
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
-from stages.reward import ModelScores, score_partition
+from stages.scored_rollouts import ModelScores, score_partition
 from stages.scored_tokens import ScoredRollouts
 
 

@@ -29,12 +29,12 @@ from stages.io.checkpoints import checkpoint_target
 from stages.io.plots import run_curves_markdown
 from stages.io.store import newest_commit, pinned
 from stages.io.tables import PROMPTS_ITERATION
-from stages.metrics import iteration_metrics as compute_iteration_metrics
-from stages.metrics import validates
+from stages.iteration_metrics import iteration_metrics as compute_iteration_metrics
+from stages.iteration_metrics import validates
 from stages.models.policy import load_tokenizer
+from stages.policy_checkpoint import run_update, update_request
 from stages.run.resume import trainer_state_files
 from stages.scored_tokens import ScoredRollouts
-from stages.update import run_update, update_request
 from stages.workers.group import worker_placements
 
 
@@ -198,7 +198,7 @@ def validation(
     context, cfg: RunConfig, rollout_store, ms, ray, it: int, new_dir
 ) -> tuple[dict | None, dict[str, float]]:
     """(validation rollouts by sampling mode, their val-core metrics and timing_s/testing: the seconds it took)
-    when iteration `it`'s new policy is validated (stages.metrics.validates), else (None, {})."""
+    when iteration `it`'s new policy is validated (stages.iteration_metrics.validates), else (None, {})."""
     if not validates(cfg, it):
         return None, {}
     with timed() as t:

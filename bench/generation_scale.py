@@ -86,7 +86,7 @@ def one(size: int, max_tokens: int, workdir: str, model_dir: str) -> dict:
     from assets.resources import RolloutStoreResource
     from configs.schema import load_config
     from stages.models.policy import load_tokenizer
-    from stages.rollout import sample_rollouts
+    from stages.rollouts import sample_rollouts
     from stages.workers.connect import ensure_ray_for
 
     overrides = [f"trainer.output_dir={workdir}", f"trainer.run_id={RUN}", f"rollout.n={GROUP}"]

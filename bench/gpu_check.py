@@ -399,7 +399,7 @@ def _scoring_row(cfg, tok, rows) -> dict:
     """Host seconds of scoring the batch's responses with the config's reward (the scored_rollouts stage's work)."""
     import pandas as pd
 
-    from stages.reward import score_rollouts
+    from stages.scored_rollouts import score_rollouts
 
     texts = tok.batch_decode(rows["response_token_ids"], skip_special_tokens=True)
     frame = pd.DataFrame({"rollout_id": range(len(texts)), "response_text": texts, "ground_truth": "7"})

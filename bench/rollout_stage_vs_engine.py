@@ -6,7 +6,7 @@ For each engine (HF transformers, vLLM) one process measures, interleaved (bare,
   (the stage's micro-batches: rollout.micro_batch_size sequences per call, `num_return_sequences=n`),
   vLLM `LLM.generate` on `TokensPrompt`s with `SamplingParams(n=...)`; same sampling (temperature, top-p,
   top-k, max tokens, stop strings) and the same seed as the stage; no logprobs asked for.
-- stage: `stages.rollout.sample_rollouts` as the `rollouts` asset calls it: the Ray rollout worker
+- stage: `stages.rollouts.sample_rollouts` as the `rollouts` asset calls it: the Ray rollout worker
   (RolloutWorker, its engine kept between calls) generates the batch and returns the rollout rows (token
   ids, per-token logprobs, text, finish reason), sorted and numbered on the driver. Its seconds include
   the Ray round trip and the worker's weight sync check; the worker's engine is built in a warm-up call.
@@ -60,7 +60,7 @@ def prompt_batch(cfg, model_dir: str, work: Path):
 
     from stages.data.word_problems import generate_word_problem_task
     from stages.models.policy import load_tokenizer
-    from stages.prompt_batch import prompt_batch_frame
+    from stages.prompt_batches import prompt_batch_frame
 
     syn = cfg.data.synthetic.model_copy(update={"num_train": cfg.data.train_batch_size, "num_val": 1})
     train, _ = generate_word_problem_task(work / "data", syn)
@@ -149,7 +149,7 @@ class BareVLLM:
 
 def stage_call(batch, model_dir: str, cfg, iteration: int) -> tuple[int, float, dict]:
     """One call of the rollouts stage's work (sample_rollouts): (tokens, seconds, the worker's own timings)."""
-    from stages.rollout import sample_rollouts
+    from stages.rollouts import sample_rollouts
     from stages.workers.sharded import shard_frames
 
     t0 = time.perf_counter()  # the rows come back (no sink), for the worker's own timings per row

@@ -56,17 +56,17 @@ from stages.io.stage_exec import Partition
 from stages.io.store import code_version
 from stages.io.tables import SCHEMAS
 from stages.io.tracking import delta_dataset_input
-from stages.metrics import iteration_metrics
-from stages.reward import score_partition, score_rollouts
+from stages.iteration_metrics import iteration_metrics
 from stages.run.machine import cpu_description
 from stages.run.resume import completed_iterations
+from stages.scored_rollouts import score_partition, score_rollouts
 from stages.scored_tokens import ScoredRollouts
 from stages.workers.connect import ensure_ray_for
 
 RUN = "scale"
 GROUP = 8
 STREAMED = ("scored_rollouts", "advantages")
-"""The partitions the iteration_metrics step streams (stages/metrics.py iteration_metrics)."""
+"""The partitions the iteration_metrics step streams (stages/iteration_metrics.py iteration_metrics)."""
 ADV_READS = ("scored_rollouts", "old_logprobs")
 """The partitions the advantages step streams (stages/advantage_stream.py)."""
 

@@ -62,7 +62,7 @@ def partition_bytes(uri: str) -> int:
 def one(n: int, tokens: int, work: str) -> dict:
     from configs.schema import RewardConfig
     from stages.io import store
-    from stages.reward import score_partition
+    from stages.scored_rollouts import score_partition
 
     rollouts, scored = f"{work}/rollouts", f"{work}/scored_rollouts"
     v = store.write_partition(rollouts, "rollouts", rollouts_frame(n, tokens), run_id="s", iteration=0, lineage={})

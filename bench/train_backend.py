@@ -2,7 +2,7 @@
 (issue #36 item 2: Ray Train is kept only if it is at most 10% slower than the WorkerGroup).
 
 One local Ray (2 CPUs, as `rlake train`'s default) and, per backend, the run's real update path: `run_update`
-(stages/update.py) -> the "actor" group (a WorkerGroup of named Ray actors, or one Ray Train run:
+(stages/policy_checkpoint.py) -> the "actor" group (a WorkerGroup of named Ray actors, or one Ray Train run:
 stages/workers/train_group.py) -> `ActorWorker.update` on every rank. Per round and backend, from a fresh group:
 the first update (group start, policy load from disk, update, checkpoint commit) and then `--updates` more, each
 from the previous update's output, which the ranks hold resident (the pipeline's steady state). "outside" is a
@@ -36,7 +36,7 @@ from configs.schema import load_config
 from stages.io.store import write_partition
 from stages.models.policy import load_tokenizer
 from stages.models.smollm2 import resolve_model_path
-from stages.update import run_update, update_request
+from stages.policy_checkpoint import run_update, update_request
 from stages.workers.group import shutdown_worker_groups
 
 BACKENDS = ("worker_group", "ray_train")

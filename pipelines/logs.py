@@ -7,7 +7,7 @@ is switched off in the instance's dagster.yaml instead (pipelines/runner.py), wh
 
 A run that fails prints one error line (`report_failure`): the error that the user acts on, taken out of
 the Dagster step error and Ray task error around it (a reward function's names the rollout, its own
-file:line and exception: stages.reward.RewardFunctionError), without Ray's colour codes; the full
+file:line and exception: stages.scored_rollouts.RewardFunctionError), without Ray's colour codes; the full
 traceback goes to the log file. Dagster's console logger stays quiet (pipelines/runner.py QUIET): its step
 failure events, 100+ lines each, are in the Dagster UI's run page.
 """

@@ -1,6 +1,6 @@
 """The advantages stage streamed (#36): no whole table as pandas in the Dagster step.
 
-stages.advantage.compute_advantage_table turns whole frames (every token list a Python object: ~8 GB of driver at
+stages.advantages.compute_advantage_table turns whole frames (every token list a Python object: ~8 GB of driver at
 100k rollouts of ~256 tokens) into the table. Here, for the same rows, order and values:
 
 1. scalars: rollout_id, group_id, policy_version, reward, response_length, is_baseline, score of scored_rollouts,
@@ -23,7 +23,7 @@ stages.advantage.compute_advantage_table turns whole frames (every token list a 
 
 Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
 sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
-order, so the partitions are read whole and stages.advantage.iteration_advantages computes the table, as before.
+order, so the partitions are read whole and stages.advantages.iteration_advantages computes the table, as before.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
-from stages.advantage import (
+from stages.advantages import (
     distilled,
     drop_flagged_rollouts,
     estimate,
@@ -107,7 +107,7 @@ def read_scalars(scored: Partition, batch_rows: int | None = None) -> pd.DataFra
 
 def selected_rows(cfg: RunConfig, scalars: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     """(kept training rows in the table's order, ReMax baseline rows, rollouts dropped as flagged): the row
-    selection of stages.advantage.iteration_advantages, on the scalar columns."""
+    selection of stages.advantages.iteration_advantages, on the scalar columns."""
     dropped = 0
     if cfg.reward.on_error == "flag":
         scalars, dropped = drop_flagged_rollouts(scalars)
@@ -204,7 +204,7 @@ def masks_of(rows: pa.RecordBatch):
 
 def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: bool, batch_rows: int | None):
     """((N, width) model-token mask, (N, width) engine rollout_logprobs or None): the mask as
-    stages.advantage.model_token_mask makes it, filled a batch at a time."""
+    stages.advantages.model_token_mask makes it, filled a batch at a time."""
     lengths = kept["response_length"].to_numpy(dtype=np.int64)
     mask = loss_mask(lengths.tolist(), width)  # (N, L) all ones up to each length
     has = set(scored.columns())
@@ -285,7 +285,7 @@ def row_advantages(cfg: RunConfig, kept: pd.DataFrame, counts: torch.Tensor) -> 
 
 
 def dense_advantages(cfg: RunConfig, kept, baselines, joined: dict, mask, engine_lp, kl_coef):
-    """Outputs (advantages (N, L), returns (N, L)): the math of stages.advantage.compute_advantage_table on the
+    """Outputs (advantages (N, L), returns (N, L)): the math of stages.advantages.compute_advantage_table on the
     same dense tensors, so the same numbers."""
     alg, (n, width) = cfg.algorithm, mask.shape
     baseline_rewards = remax_baseline_rewards(kept, baselines) if alg.adv_estimator == "remax" else None
@@ -324,7 +324,7 @@ def token_lists(t: torch.Tensor, lengths: np.ndarray) -> pd.Series:
 
 
 def engine_lists(rows: pa.RecordBatch) -> pd.Series:
-    """stages.advantage.engine_logprob_lists in Arrow: rollout_logprobs, an empty list where a row has none."""
+    """stages.advantages.engine_logprob_lists in Arrow: rollout_logprobs, an empty list where a row has none."""
     if "rollout_logprobs" not in rows.schema.names:
         return list_column(np.zeros(0, np.float32), np.zeros(rows.num_rows, np.int64))
     column = rows["rollout_logprobs"]
@@ -396,7 +396,7 @@ def joins_of(cfg: RunConfig, up: Upstream) -> list[str]:
 
 
 def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> AdvantageRun:
-    """The explicit fallback (module docstring): every partition read whole, stages.advantage's computation."""
+    """The explicit fallback (module docstring): every partition read whole, stages.advantages's computation."""
 
     def read(part: Partition | None) -> pd.DataFrame | None:
         return None if part is None else pd.concat(list(part.batches()), ignore_index=True)
@@ -411,7 +411,7 @@ def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> Ad
 def stream_advantages(
     cfg: RunConfig, up: Upstream, target_uri: str, *, lineage, batch_rows: int | None = None
 ) -> AdvantageRun:
-    """The `advantages` stage (stages.advantage.iteration_advantages' rows, order and values) over partition
+    """The `advantages` stage (stages.advantages.iteration_advantages' rows, order and values) over partition
     handles, written to the table at `target_uri` with ONE commit carrying `lineage` (a mapping or a function
     called once the files are written); the step holds per-row scalars (or the (N, L) tensors), never a whole
     partition's token lists as Python objects."""

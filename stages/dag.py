@@ -80,9 +80,9 @@ iteration_metrics partition -1)."""
 
 ITERATION: tuple[Stage, ...] = (
     #     name                 module                  upstream
-    Stage("prompt_batches",    "stages.prompt_batch",  ("prompts", "initial_policy"),
+    Stage("prompt_batches",    "stages.prompt_batches",  ("prompts", "initial_policy"),
           table=True,  timing="timing_s/prompt_batch"),
-    Stage("rollouts",          "stages.rollout",       ("prompt_batches",),
+    Stage("rollouts",          "stages.rollouts",       ("prompt_batches",),
           table=True,  timing="timing_s/rollouts"),
     Stage("turns",             "stages.turns",         ("rollouts",),
           table=True,                                     when=uses_multi_turn),
@@ -93,20 +93,20 @@ ITERATION: tuple[Stage, ...] = (
     # the policy that sampled (version == iteration) is found like the rollouts' (ModelStore.require)
     Stage("old_logprobs",      "stages.old_logprobs",  ("rollouts",),
           table=True,  timing="timing_s/old_logprobs"),
-    Stage("judgements",        "stages.judge",         ("rollouts",),
+    Stage("judgements",        "stages.judgements",         ("rollouts",),
           table=True,  timing="timing_s/judgements",      when=uses_judge),
-    Stage("scored_rollouts",   "stages.reward",        ("rollouts", "judgements"),
+    Stage("scored_rollouts",   "stages.scored_rollouts",        ("rollouts", "judgements"),
           table=True,  timing="timing_s/scored_rollouts"),
     Stage("values",            "stages.values",        ("scored_rollouts",),  # reads the rollouts table
           table=True,                                     when=uses_critic),
-    Stage("advantages",        "stages.advantage",     ("scored_rollouts", "rollouts", "values", "ref_logprobs",
+    Stage("advantages",        "stages.advantages",     ("scored_rollouts", "rollouts", "values", "ref_logprobs",
                                                         "teacher_logprobs", "old_logprobs"),
           table=True,  timing="timing_s/advantages"),
-    Stage("policy_checkpoint", "stages.update",        ("advantages",),
+    Stage("policy_checkpoint", "stages.policy_checkpoint",        ("advantages",),
           table=False, timing="timing_s/update"),
-    Stage("critic_checkpoint", "stages.critic_update", ("advantages", "values"),
+    Stage("critic_checkpoint", "stages.critic_checkpoint", ("advantages", "values"),
           table=False, timing="timing_s/critic_update",   when=uses_critic),
-    Stage("iteration_metrics", "stages.metrics",       ("policy_checkpoint", "critic_checkpoint"),
+    Stage("iteration_metrics", "stages.iteration_metrics",       ("policy_checkpoint", "critic_checkpoint"),
           table=True),
 )
 # fmt: on

@@ -1,9 +1,9 @@
 """Validation: a greedy pass and (rollout.val_kwargs.do_sample) n sampled responses per held-out prompt.
 
-Metrics (stages.metrics.validation_metrics, verl's process_validation_metrics and names): the greedy pass gives
-val-core/<ds>/reward/mean@1 (what verl's default val_kwargs, n=1 and do_sample=false, give); the sampled pass
+Metrics (stages.iteration_metrics.validation_metrics, verl's process_validation_metrics and names): the greedy
+pass gives val-core/<ds>/reward/mean@1 (what verl's default val_kwargs, n=1 and do_sample=false, give); the sampled pass
 gives mean@n, std@n, best@K/worst@K (and maj@K when the scorer returns a pred) split into val-core/ and val-aux/
-as verl splits them. The rollouts run on the run's "rollout" worker group (stages.rollout.generate_rollouts), the same
+as verl splits them. The rollouts run on the run's "rollout" worker group (stages.rollouts.generate_rollouts), the same
 engines as training; scoring runs in this process.
 """
 
@@ -13,10 +13,10 @@ import pandas as pd
 
 from configs.schema import RunConfig
 from stages import seeds
-from stages.metrics import validation_metrics
-from stages.prompt_batch import prompt_batch_frame
-from stages.reward import score_rollouts
-from stages.rollout import generate_rollouts
+from stages.iteration_metrics import validation_metrics
+from stages.prompt_batches import prompt_batch_frame
+from stages.rollouts import generate_rollouts
+from stages.scored_rollouts import score_rollouts
 from stages.workers.placement import GpuPool
 
 

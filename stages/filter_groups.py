@@ -1,7 +1,7 @@
 """DAPO dynamic sampling (algorithm.filter_groups): keep only groups whose rollouts do not all share one
 reward, generating further rounds of prompts until train_batch_size groups are kept.
 
-- the prompt_batches partition holds every candidate round of the iteration (stages.prompt_batch);
+- the prompt_batches partition holds every candidate round of the iteration (stages.prompt_batches);
 - the rollout stage generates round after round (`generate_until_full`) and stops as soon as enough
   groups pass the filter; the rollouts / scored_rollouts tables keep all generated rounds;
 - the advantage stage keeps the first train_batch_size passing groups (`select_training_groups`, in

@@ -4,7 +4,7 @@ whose output is `old_log_prob`).
 
 Flow: assets/old_logprobs.py `old_logprobs` -> `policy_old_logprobs(cfg, rollouts, policy_dir, sink)` ->
 `old_logprob_shards`, which gives each rank of the run's "actor" worker group (the update's own group,
-stages.update.actor_workers: no extra processes) a contiguous slice of the rollouts partition at its recorded
+stages.policy_checkpoint.actor_workers: no extra processes) a contiguous slice of the rollouts partition at its recorded
 version; the rank reads it, calls `ActorWorker.compute_log_prob` (stages/workers/actor_worker.py), computes its
 rows' gap to the engine (`finish_old_logprobs`) and writes its rows as one Parquet file; the asset commits the
 files once (stages/workers/sharded.py). The rows never pass through the Dagster step. The torch backend keeps the
@@ -15,7 +15,7 @@ engine's up to its numerics (a test checks 1e-4 on the tiny model).
 Their uses, as verl's: the advantage stage's KL in the reward (algorithm.use_kl_in_reward) and the torch
 update's PPO ratio denominator, both through the advantages table. The engine-vs-trainer gap
 (stages.algos.probs_diff) is stored per rollout (rollout_probs_diff_max, rollout_probs_diff_mean) and
-summarized as the iteration's training/rollout_probs_diff_* metrics (stages/metrics.py).
+summarized as the iteration's training/rollout_probs_diff_* metrics (stages/iteration_metrics.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from stages.algos.probs_diff import (
     rollout_probs_diff,
 )
 from stages.io.stage_exec import Partition
+from stages.policy_checkpoint import actor_workers
 from stages.train.batching import logprob_temperature, loss_mask, ragged_to_padded, row_masks
-from stages.update import actor_workers
 from stages.workers.actor_worker import ActorWorker
 from stages.workers.placement import CPU_ONLY, GpuPool
 from stages.workers.shard_io import ShardResult, Sink

@@ -404,7 +404,7 @@ def broken_reward(monkeypatch):
 
 def test_reward_that_raises_stops_the_run_naming_the_rollout(broken_reward) -> None:
     from configs.schema import RewardConfig
-    from stages.reward import score_rollouts
+    from stages.scored_rollouts import score_rollouts
 
     with pytest.raises(
         ValueError,
@@ -420,8 +420,8 @@ def test_reward_flagged_rows_are_kept_and_training_continues_without_them(broken
     """on_error=flag: every row stays in scored_rollouts, the bad ones with reward NaN + reward_error; the
     advantages asset drops them and trains on the rest (the advantage math itself refuses NaN rewards)."""
     from configs.schema import AlgorithmConfig, RewardConfig
-    from stages.advantage import compute_advantage_table, drop_flagged_rollouts
-    from stages.reward import score_rollouts
+    from stages.advantages import compute_advantage_table, drop_flagged_rollouts
+    from stages.scored_rollouts import score_rollouts
 
     scored = score_rollouts(
         _rollouts(["ok", "boom", "nan", "ok"], broken_reward), RewardConfig(on_error="flag"), use_ray=False

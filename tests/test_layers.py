@@ -25,7 +25,7 @@ PACKAGES = ("configs", "stages", "assets", "pipelines")  # what "ours" means bel
 
 # The layers, lowest first: a module may import its own layer and any layer listed before it, never one
 # listed after it. A module belongs to the layer of its longest matching prefix, so `stages.run.resume` is
-# in "run" and `stages.rollout` (a stage module, stages/*.py) in "stage modules".
+# in "run" and `stages.rollouts` (a stage module, stages/*.py) in "stage modules".
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # pydantic models + YAML
     ("configs", ("configs",)),
@@ -175,8 +175,8 @@ def test_imports_point_down_the_layers(layer):
         ),
         (
             "stages.io.store",
-            "from stages import rollout\n",
-            "stages/io/store.py:1: data/models/io imports stages.rollout (stage modules, a layer above it)",
+            "from stages import rollouts\n",
+            "stages/io/store.py:1: data/models/io imports stages.rollouts (stage modules, a layer above it)",
         ),
         (
             "stages.algos.kl",

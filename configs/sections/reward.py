@@ -70,7 +70,7 @@ class JudgeConfig(_Strict):
     """A generative judge (LLM-as-judge): a local causal-LM checkpoint, served by rollout engines of
     rollout.name (HF or vLLM) on a persistent "judge" worker group, reads prompt_template filled with each
     training rollout's question, response and ground truth and answers; score_regex reads the score
-    (stages/judge.py). Prompts and verdicts go to the `judgements` table. Validation keeps the rule reward."""
+    (stages/judgements.py). Prompts and verdicts go to the `judgements` table. Validation keeps the rule reward."""
 
     enable: bool = False
     """Judge training rollouts (scored_rollouts gets judge_score, judge_error; a judgements table is written)."""

@@ -86,7 +86,7 @@ REWARD_FIELDS = [
     pa.field("judge_score", pa.float64()),
     pa.field("judge_error", pa.string()),
     pa.field("overlong_penalty", pa.float64()),
-    # which code scored the row: <file or module>:<function>@<sha256 of its source, 12 hex> (stages/reward.py)
+    # which code scored the row: <file or module>:<function>@<sha256 of its source, 12 hex> (stages/scored_rollouts.py)
     pa.field("reward_version", pa.string()),
     # the extra keys the reward function returned for this row (verl's reward_extra_info): each is a column
     pa.field("reward_extra_keys", pa.list_(pa.string())),

@@ -21,11 +21,11 @@ from configs.schema import RunConfig
 from stages.data.custom_reward import parse_extra_info, read_custom_reward
 from stages.models.policy import load_tokenizer
 from stages.models.tiny import build_char_tokenizer
-from stages.prompt_batch import tokenize_prompts
+from stages.prompt_batches import tokenize_prompts
 from stages.prompts import build_prompt_rows
-from stages.reward import load_custom_reward, probe_custom_reward
 from stages.reward_model import check_reward_model_dir
 from stages.run.resume import check_causal_lm_dir
+from stages.scored_rollouts import load_custom_reward, probe_custom_reward
 from stages.teacher_logprobs import check_teacher_tokenizer, teacher_dir
 from stages.workers.connect import check_cluster_auth
 

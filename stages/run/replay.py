@@ -24,8 +24,8 @@ from configs.schema import RunConfig
 from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.tables import PROMPTS_ITERATION
+from stages.policy_checkpoint import run_update, update_request
 from stages.run.resume import STATE_FILE, resume_hash
-from stages.update import run_update, update_request
 from stages.workers.group import ensure_ray_for, existing_workers, gc_run
 
 REPLAY_RTOL = 1e-4
@@ -151,7 +151,7 @@ def replay_update(
     cfg: RunConfig, iteration: int, scratch_dir: str | Path, *, rtol: float = REPLAY_RTOL, atol: float = REPLAY_ATOL
 ) -> ReplayReport:
     """Re-run iteration `iteration`'s policy update of run cfg.run_id into scratch_dir and compare (the
-    policy_checkpoint asset's request builder and update function, stages.update)."""
+    policy_checkpoint asset's request builder and update function, stages.policy_checkpoint)."""
     adv_version, logged, cfg_hash = recorded_inputs(cfg, iteration)
     ms = ModelStore.for_config(cfg)
     if iteration not in ms.versions():

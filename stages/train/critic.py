@@ -310,7 +310,7 @@ def critic_data_metrics(advantages: pd.DataFrame, values: pd.DataFrame) -> dict[
     """verl's compute_data_metrics critic part over the model's response tokens (observation tokens left out):
     critic/values|returns|advantages/mean|max|min and critic/vf_explained_var = 1 - Var(returns - values) /
     Var(returns) (stages.algos.critic_moments), of frames held here; the iteration_metrics stage streams the
-    partitions instead (stages.metrics.streamed_critic_data_metrics)."""
+    partitions instead (stages.iteration_metrics.streamed_critic_data_metrics)."""
     df = advantages.merge(values[["rollout_id", "values"]], on="rollout_id", how="inner")
     lengths = df["response_token_ids"].map(len).tolist()
     width = max(1, max(lengths, default=1))

@@ -1,6 +1,6 @@
 """ActorWorker: one rank of the policy trainer (verl: `update_actor`), torch or Megatron-Core backend.
 
-stages.update runs `ActorWorker.update(request)` on every rank of the run's "actor" group (one gloo
+stages.policy_checkpoint runs `ActorWorker.update(request)` on every rank of the run's "actor" group (one gloo
 process group over actor.num_workers Ray actors). Each rank reads its share of the iteration's rows
 from the advantages Delta table at the recorded version (`read_rows`), runs one PPO update, and rank 0
 commits the new HF checkpoint with optimizer state, update metrics and a checkpoint id to the run's

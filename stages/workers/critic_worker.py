@@ -1,6 +1,6 @@
 """CriticWorker: the value model of PPO with GAE (verl: `compute_values`, `update_critic`).
 
-The values stage (stages/values.py) and the critic_checkpoint stage (stages/critic_update.py) call it
+The values stage (stages/values.py) and the critic_checkpoint stage (stages/critic_checkpoint.py) call it
 through the run's one-worker "critic" group on one torch thread (measured fastest for the critic on the
 2-core box, see stages.train.critic). Each call loads the critic version it is given from disk, so the
 result is a function of the checkpoint alone. A reward-model worker (a scoring model rather than a rule)

@@ -3,8 +3,8 @@
 A request names its inputs by storage location (a Delta table at a version, a committed checkpoint by its
 reference or, in tests and exports, a local directory),
 never by a live object, so a replay or a retried call reads exactly what the first attempt read.
-`stages.update.update_request` is the one place an UpdateRequest is built from the run config (the
-policy_checkpoint asset and `rlake replay` both use it); `stages.critic_update.critic_update_request`
+`stages.policy_checkpoint.update_request` is the one place an UpdateRequest is built from the run config (the
+policy_checkpoint asset and `rlake replay` both use it); `stages.critic_checkpoint.critic_update_request`
 builds the critic's.
 """
 

@@ -1,6 +1,6 @@
 """RolloutWorker: one rollout engine (HF or vLLM), kept for the whole run, synced to each policy version.
 
-stages.rollout shards a prompt batch over the "rollout" group and calls `RolloutWorker.generate` on
+stages.rollouts shards a prompt batch over the "rollout" group and calls `RolloutWorker.generate` on
 each rank (verl: `generate_sequences`); with use_ray=False the caller holds a RolloutWorker in its
 own process. After a policy update the engine takes the new weights in place instead of being
 rebuilt (see `sync`).

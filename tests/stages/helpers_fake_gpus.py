@@ -26,14 +26,14 @@ from helpers_rollouts import make_rows  # noqa: E402
 
 from configs.schema import TinyModelConfig, load_config  # noqa: E402
 from stages.io import store  # noqa: E402
-from stages.judge import judge_group  # noqa: E402
+from stages.judgements import judge_group  # noqa: E402
 from stages.models.policy import load_policy, save_policy  # noqa: E402
 from stages.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from stages.old_logprobs import policy_old_logprobs  # noqa: E402
+from stages.policy_checkpoint import actor_workers, run_update, update_request  # noqa: E402
 from stages.ref_logprobs import reference_logprobs  # noqa: E402
-from stages.rollout import rollout_group  # noqa: E402
+from stages.rollouts import rollout_group  # noqa: E402
 from stages.train.critic import init_critic  # noqa: E402
-from stages.update import actor_workers, run_update, update_request  # noqa: E402
 from stages.values import rollout_values  # noqa: E402
 from stages.workers.group import Worker, WorkerGroup, _find, shutdown_worker_groups  # noqa: E402
 from stages.workers.placement import GpuPool, node_placement_group  # noqa: E402

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from configs.schema import AlgorithmConfig
-from stages.advantage import compute_advantage_table
+from stages.advantages import compute_advantage_table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import scored_rows
@@ -95,7 +95,7 @@ def test_kl_in_reward_uses_the_actors_old_logprobs() -> None:
     assert row_max.tolist() == pytest.approx([0.238651, 0.232544], abs=1e-6)  # what the old_logprobs stage stores
     assert row_mean.tolist() == pytest.approx([0.119326, 0.116272], abs=1e-6)
     # the iteration's verl metrics over the 4 tokens: max 0.238651, mean (0.238651 + 0.232544) / 4 = 0.117799
-    from stages.metrics import algorithm_metrics
+    from stages.iteration_metrics import algorithm_metrics
 
     m = algorithm_metrics(scored, out)
     assert m["training/rollout_probs_diff_valid"] == 1

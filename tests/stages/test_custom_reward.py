@@ -19,7 +19,7 @@ from stages.data.custom_reward import read_custom_reward
 from stages.data.rewards import ENTRY_POINT_GROUP, scorer_for
 from stages.io import store
 from stages.io.sql import query
-from stages.reward import RewardStage, score_rollouts, typed_extras
+from stages.scored_rollouts import RewardStage, score_rollouts, typed_extras
 from stages.workers.tasks import map_with_tasks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -101,7 +101,7 @@ def _child(tables: str, iteration: int) -> None:
     from configs.schema import RewardConfig, RunConfig
     from stages.advantage_stream import Upstream, stream_advantages
     from stages.io import stage_exec
-    from stages.reward import score_partition
+    from stages.scored_rollouts import score_partition
     from stages.scored_tokens import ScoredRollouts
 
     stage_exec.BATCH_ROWS = 1000
@@ -136,7 +136,7 @@ def test_streamed_scoring_writes_what_the_whole_frame_path_wrote(tmp_path, ray_s
     the whole frame and write_partition hold."""
     from configs.schema import RewardConfig
     from stages.io import stage_exec, store
-    from stages.reward import score_partition, score_rollouts
+    from stages.scored_rollouts import score_partition, score_rollouts
 
     monkeypatch.setattr(stage_exec, "BATCH_ROWS", 16)
     src, cfg = str(tmp_path / "rollouts"), RewardConfig(on_error="flag")
@@ -174,7 +174,7 @@ def test_streamed_scoring_reads_and_writes_s3(s3_env, monkeypatch) -> None:
     from assets.resources import RolloutStoreResource
     from configs.schema import RewardConfig
     from stages.io import stage_exec
-    from stages.reward import score_partition, score_rollouts
+    from stages.scored_rollouts import score_partition, score_rollouts
 
     monkeypatch.setattr(stage_exec, "BATCH_ROWS", 8)
     res = RolloutStoreResource(root=s3_env.root(f"exec-{uuid.uuid4().hex[:8]}"), storage_options=s3_env.storage_options)

@@ -9,8 +9,8 @@ import pytest
 
 from configs.schema import FilterGroupsConfig, RewardConfig, RolloutConfig, load_config
 from stages.filter_groups import filter_metric, generate_until_full, kept_group_ids, select_training_groups
-from stages.prompt_batch import iteration_prompts, prompt_rounds
-from stages.reward import score_rollouts
+from stages.prompt_batches import iteration_prompts, prompt_rounds
+from stages.scored_rollouts import score_rollouts
 
 
 def test_prompt_rounds_are_deterministic_disjoint_and_capped() -> None:
@@ -115,7 +115,7 @@ def test_generate_until_full_with_the_real_engine(eos_prone_checkpoint) -> None:
     """Shaped rewards (overlong penalty on lengths) give some groups spread: rounds stop once enough pass;
     an unreachable target is a clear error after every round was generated."""
     from stages.models.policy import load_policy
-    from stages.rollout import generate_shards
+    from stages.rollouts import generate_shards
     from stages.workers.sharded import shard_frames
 
     tiny_checkpoint = eos_prone_checkpoint
@@ -190,7 +190,7 @@ def test_dapo_config_errors_say_what_and_how() -> None:
 
 
 def test_algorithm_metrics_from_stored_columns() -> None:
-    from stages.metrics import algorithm_metrics
+    from stages.iteration_metrics import algorithm_metrics
 
     scored = pd.DataFrame(
         {

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from configs.schema import JudgeConfig, load_config
-from stages.judge import combine_judge_scores, judge_prompt_texts, parse_verdict, questions_of
-from stages.metrics import model_reward_metrics
+from stages.iteration_metrics import model_reward_metrics
+from stages.judgements import combine_judge_scores, judge_prompt_texts, parse_verdict, questions_of
 from stages.run.preflight import preflight
 
 REGEX = JudgeConfig().score_regex

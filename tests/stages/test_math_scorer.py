@@ -20,7 +20,7 @@ from stages.data.math_grader import (
     require_math_verify,
 )
 from stages.data.rewards import score_math
-from stages.reward import RewardStage, score_rollouts
+from stages.scored_rollouts import RewardStage, score_rollouts
 
 # (response, ground truth, default score, math_verify score). default = verl's Hendrycks string match
 # of the last box; math_verify = verl's symbolic compare of parse(response) with parse(\boxed{gt}).

@@ -183,9 +183,9 @@ def test_num_workers_not_a_grid_is_rejected() -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_worker_group_dispatch_tp2(ray_session, policy_and_table, megatron_outs, initial_weights, tmp_path) -> None:
-    """stages.update.run_update runs a strategy='megatron' request on the actor group (ActorWorkers of
+    """stages.policy_checkpoint.run_update runs a strategy='megatron' request on the actor group (ActorWorkers of
     this backend, one gloo group) and returns rank 0's metrics."""
-    from stages.update import run_update
+    from stages.policy_checkpoint import run_update
 
     job = make_job(policy_and_table, "megatron_ray_tp2", tp=2, num_workers=2)
     metrics = run_update(job)

@@ -18,7 +18,7 @@ from stages.io import store
 from stages.io.stage_exec import Partition
 from stages.models.policy import encode_chat, load_policy, save_policy
 from stages.old_logprobs import compute_old_logprobs, old_logprob_shards, old_logprobs_gap, probs_gap
-from stages.rollout import generate_rollouts
+from stages.rollouts import generate_rollouts
 from stages.workers.actor_worker import ActorWorker, stored_old_logprobs
 from stages.workers.requests import UpdateRequest
 from stages.workers.shard_io import Sink
@@ -162,7 +162,7 @@ def test_old_logprobs_on_the_actor_group_then_update_loads_nothing(ray_session, 
     Delta, compute, and write their rows; the step commits once and never holds a row. The table equals the
     in-process computation, in rollout order, with the gap metrics of the whole batch; the update that follows on
     that group finds policy version 0 resident on both ranks."""
-    from stages.update import run_update
+    from stages.policy_checkpoint import run_update
     from stages.workers.group import shutdown_worker_groups
 
     shutdown_worker_groups()

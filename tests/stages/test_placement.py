@@ -15,8 +15,8 @@ import torch
 from pydantic import ValidationError
 
 from configs.schema import load_config
+from stages.policy_checkpoint import update_request
 from stages.train.megatron.cpu_patches import apply_cpu_patches, needs_cpu_patches
-from stages.update import update_request
 from stages.workers.placement import (
     CPU_ONLY,
     GPU_ROLES,

@@ -12,11 +12,11 @@ import torch
 from configs.schema import ActorConfig, OptimConfig, RolloutConfig
 from stages.io import store
 from stages.models.policy import encode_chat, load_policy
-from stages.rollout import generate_rollouts
+from stages.policy_checkpoint import run_update
+from stages.rollouts import generate_rollouts
 from stages.train.actor import ppo_update
 from stages.train.optim import make_optimizer
 from stages.train.ppo_loop import global_minibatch_count, minibatches
-from stages.update import run_update
 from stages.workers.actor_worker import METRICS_FILE, shard_for_rank
 from stages.workers.requests import UpdateRequest
 
@@ -81,7 +81,7 @@ def test_two_rollout_ranks_write_the_partition_in_rollout_id_order(ray_session, 
     import pandas as pd
 
     from stages.io import dataset_io
-    from stages.rollout import generate_shards
+    from stages.rollouts import generate_shards
     from stages.workers.shard_io import Sink
     from stages.workers.sharded import commit_shards
 

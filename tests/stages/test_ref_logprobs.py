@@ -13,7 +13,7 @@ from stages.dag import uses_reference as needs_ref_logprobs
 from stages.models.policy import encode_chat, load_policy, save_policy
 from stages.models.tiny import build_tiny_model
 from stages.ref_logprobs import REF_POLICY_VERSION, compute_ref_logprobs
-from stages.rollout import generate_rollouts
+from stages.rollouts import generate_rollouts
 from stages.workers.ref_worker import RefWorker
 
 
@@ -150,7 +150,7 @@ def _kl_scored() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def test_kl_in_reward_hand_derived() -> None:
     from configs.schema import AlgorithmConfig, KLControlConfig
-    from stages.advantage import compute_advantage_table
+    from stages.advantages import compute_advantage_table
 
     scored, ref = _kl_scored()
     cfg = AlgorithmConfig(
@@ -171,7 +171,7 @@ def test_kl_in_reward_hand_derived() -> None:
 
 def test_kl_in_reward_without_ref_is_a_clear_error() -> None:
     from configs.schema import AlgorithmConfig
-    from stages.advantage import compute_advantage_table
+    from stages.advantages import compute_advantage_table
 
     scored, ref = _kl_scored()
     with pytest.raises(ValueError, match="needs the iteration's ref_logprobs table"):
@@ -182,7 +182,7 @@ def test_kl_in_reward_without_ref_is_a_clear_error() -> None:
 
 def test_adaptive_kl_coef_follows_from_the_previous_iterations_stored_kl() -> None:
     from configs.schema import AlgorithmConfig, KLControlConfig
-    from stages.advantage import kl_coef_for_iteration
+    from stages.advantages import kl_coef_for_iteration
 
     ctrl = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=10)
     cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=ctrl)

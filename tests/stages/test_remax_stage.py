@@ -13,9 +13,9 @@ from configs.schema import (
     RolloutConfig,
     load_config,
 )
-from stages.advantage import compute_advantage_table, drop_flagged_rollouts
+from stages.advantages import compute_advantage_table, drop_flagged_rollouts
 from stages.filter_groups import select_training_groups
-from stages.metrics import rollout_metrics
+from stages.iteration_metrics import rollout_metrics
 
 REMAX = AlgorithmConfig(adv_estimator="remax")
 
@@ -122,7 +122,7 @@ def test_greedy_baselines_from_the_real_engine(tmp_path) -> None:
     from configs.schema import TinyModelConfig
     from stages.models.policy import encode_chat, save_policy
     from stages.models.tiny import build_char_tokenizer, build_tiny_model
-    from stages.rollout import generate_rollouts
+    from stages.rollouts import generate_rollouts
 
     tok = build_char_tokenizer()
     model_dir = str(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configs.schema import ActorConfig, AlgorithmConfig, CriticConfig, OptimConfig
-from stages.advantage import compute_advantage_table
+from stages.advantages import compute_advantage_table
 from stages.algos.advantages import outcome_to_token_rewards
 from stages.io.store import to_arrow
 from stages.models.policy import load_policy
@@ -199,7 +199,7 @@ def test_probs_diff_skips_observation_tokens() -> None:
 
 
 def test_iteration_metrics_count_model_tokens_apart() -> None:
-    from stages.metrics import probs_diff_metrics, rollout_metrics
+    from stages.iteration_metrics import probs_diff_metrics, rollout_metrics
 
     scored = scored_rows([1.0, 0.0], [3, 2], [[1, 0, 1], None]).assign(
         finish_reason="stop", rollout_logprobs=[[-1.0, 0.0, -1.0], [-1.0, -1.0]]

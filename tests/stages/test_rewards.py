@@ -19,7 +19,7 @@ from stages.data.rewards import (
     score_math,
     score_math_dapo,
 )
-from stages.reward import RewardStage, score_rollouts
+from stages.scored_rollouts import RewardStage, score_rollouts
 
 
 @pytest.mark.parametrize(

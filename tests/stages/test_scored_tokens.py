@@ -11,7 +11,7 @@ from configs.schema import RewardConfig
 from stages.io import store
 from stages.io.stage_exec import Partition
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS, SCHEMAS
-from stages.reward import score_partition
+from stages.scored_rollouts import score_partition
 from stages.scored_tokens import ScoredRollouts
 
 RUN = "t"

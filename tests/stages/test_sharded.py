@@ -105,7 +105,7 @@ def test_judge_on_a_local_group_equals_the_judge_group(ray_session, tiny_checkpo
     """A stage through sharded_call: judge_rollouts' verdicts in this process (LocalGroup) and on the run's one
     "judge" worker (greedy, the same single shard) are the same rows."""
     from configs.schema import load_config
-    from stages.judge import judge_rollouts
+    from stages.judgements import judge_rollouts
     from stages.workers.group import shutdown_worker_groups
 
     cfg = load_config(

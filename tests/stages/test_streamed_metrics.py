@@ -13,7 +13,7 @@ import pytest
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.io import store
 from stages.io.stage_exec import Partition, iter_partition_batches, run_table_stage
-from stages.metrics import iteration_metrics, rollout_metrics
+from stages.iteration_metrics import iteration_metrics, rollout_metrics
 from stages.scored_tokens import ScoredRollouts
 
 RUN = "m"
@@ -145,7 +145,7 @@ def test_streamed_critic_metrics_equal_the_whole_frame(tmp_path, batch_rows, val
     """PPO with a critic: the values partition joined batch by batch (merge join in the kept order, or taken whole
     when written in another order) gives critic_data_metrics' numbers; multi-turn observation tokens and a row
     without a mask counted as the frame version counts them."""
-    from stages.metrics import streamed_critic_data_metrics
+    from stages.iteration_metrics import streamed_critic_data_metrics
     from stages.train.critic import critic_data_metrics
 
     rng = np.random.default_rng(3)

@@ -19,7 +19,7 @@ import ray
 import torch
 
 from configs.schema import ActorConfig, load_config
-from stages.update import actor_group, run_update
+from stages.policy_checkpoint import actor_group, run_update
 from stages.workers.actor_worker import ActorWorker
 from stages.workers.group import shutdown_worker_groups
 from stages.workers.train_group import TrainGroup

@@ -102,7 +102,7 @@ def test_losses_match_golden(tiny_checkpoint) -> None:
 def test_update_job_divides_logits_by_the_rollout_temperature(rollout_temperature, expected) -> None:
     """verl's actor (and ref) log-probs use rollout.temperature; greedy rollouts (0) mean plain logits."""
     from configs.schema import load_config
-    from stages.update import update_request
+    from stages.policy_checkpoint import update_request
 
     cfg = load_config("configs/ci_tiny.yaml", [f"rollout.temperature={rollout_temperature}"])
     req = update_request(cfg, 3, advantages_uri="/x", advantages_version=1, policy_dir="/p", out_dir="/o")

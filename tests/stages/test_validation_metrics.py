@@ -1,5 +1,6 @@
-"""Validation metrics of scored rollouts (stages.metrics.validation_metrics, stages.evaluate.validation_summary),
-rollout.val_kwargs, and a metric's name in Delta/UI vs MLflow (stages.metric_names): real scorers, no Ray."""
+"""Validation metrics of scored rollouts (stages.iteration_metrics.validation_metrics,
+stages.evaluate.validation_summary), rollout.val_kwargs,
+and a metric's name in Delta/UI vs MLflow (stages.metric_names): real scorers, no Ray."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pydantic import ValidationError
 
 from configs.schema import RewardConfig, load_config
 from stages.evaluate import validation_summary
+from stages.iteration_metrics import validation_metrics
 from stages.metric_names import metric_name_from_mlflow, mlflow_metric_name
-from stages.metrics import validation_metrics
-from stages.reward import score_rollouts
+from stages.scored_rollouts import score_rollouts
 
 
 def _scored(data_source: str, responses: list[list[str]], ground_truth: str) -> pd.DataFrame:

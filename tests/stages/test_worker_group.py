@@ -17,8 +17,8 @@ from configs.schema import ActorConfig, OptimConfig, RolloutConfig
 from stages.io import store
 from stages.io.checkpoints import CHECKPOINT_ID
 from stages.models.policy import encode_chat, load_policy
-from stages.rollout import generate_rollouts, sampling_from_config
-from stages.update import actor_group, run_update
+from stages.policy_checkpoint import actor_group, run_update
+from stages.rollouts import generate_rollouts, sampling_from_config
 from stages.workers.group import shutdown_worker_groups
 from stages.workers.requests import UpdateRequest
 from stages.workers.rollout_worker import RolloutWorker

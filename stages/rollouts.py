@@ -23,8 +23,8 @@ from stages.io import dataset_io
 from stages.io.checkpoints import checkpoint_id, ref_checkpoint_id
 from stages.io.tables import SCHEMAS
 from stages.models.engines import SamplingSpec
-from stages.reward import score_rollouts
 from stages.rollout_shards import TOKEN_COLUMNS, NumberRollouts, in_batch_order, rollout_order
+from stages.scored_rollouts import score_rollouts
 from stages.tools import resolve_tool_config
 from stages.workers.group import WorkerGroup, engine_threads, existing_workers, worker_group
 from stages.workers.placement import CPU_ONLY, GpuPool

@@ -50,7 +50,7 @@ from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import Scorer, scorer_for
 from stages.io.stage_exec import Lineage, StageRun, read_columns, run_table_stage
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS, SCHEMAS
-from stages.judge import combine_judge_scores
+from stages.judgements import combine_judge_scores
 from stages.reward_model import combine_rm_scores, reward_model_scores
 from stages.workers.tasks import map_with_tasks
 
@@ -276,7 +276,7 @@ class ModelScores:
         if self.cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
             rm = reward_model_scores(self.cfg, rows)
             scored = combine_rm_scores(scored, rm, self.cfg.reward.reward_model.combine)
-        if self.judgements is not None:  # a generative judge's verdicts (stages/judge.py)
+        if self.judgements is not None:  # a generative judge's verdicts (stages/judgements.py)
             scored = combine_judge_scores(scored, self.judgements, self.cfg.reward.judge.combine)
         return scored
 
