@@ -20,8 +20,8 @@ from assets.common import (
 )
 from assets.resources import RayResource, RolloutStoreResource, RunConfigResource
 from configs.schema import RunConfig
-from stages.advantage_stream import Upstream, stream_advantages
-from stages.advantages import uses_adaptive_kl
+from stages.advantage_table import uses_adaptive_kl
+from stages.advantages import Upstream, stream_advantages
 from stages.dag import uses_critic, uses_judge, uses_reference, uses_teacher
 from stages.scored_rollouts import ModelScores, score_partition
 from stages.scored_tokens import ScoredRollouts
@@ -118,7 +118,7 @@ def advantages(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, rollout_store: RolloutStoreResource
 ) -> dg.MaterializeResult:
     """Per-rollout advantages (algorithm.adv_estimator), group statistics in one pass, streamed: the step holds
-    scalar columns and dense tensors, never a whole table's token lists (stages/advantage_stream.py)."""
+    scalar columns and dense tensors, never a whole table's token lists (stages/advantages.py)."""
     cfg, it = run_config.load(), iteration_of(context)
 
     def part(needed: bool, table: str, iteration: int = it):

@@ -49,7 +49,8 @@ from assets.common import lineage, write_table
 from assets.resources import _MLFLOW_RUNS, RolloutStoreResource, TrackerResource, resolve_run_config
 from assets.scoring import SUMMARY, reward_metadata
 from assets.training import stage_timings
-from stages.advantage_stream import Upstream, stream_advantages
+from configs.schema import RunConfig
+from stages.advantages import Upstream, stream_advantages
 from stages.io import sql
 from stages.io import store as delta
 from stages.io.stage_exec import Partition
@@ -68,7 +69,7 @@ GROUP = 8
 STREAMED = ("scored_rollouts", "advantages")
 """The partitions the iteration_metrics step streams (stages/iteration_metrics.py iteration_metrics)."""
 ADV_READS = ("scored_rollouts", "old_logprobs")
-"""The partitions the advantages step streams (stages/advantage_stream.py)."""
+"""The partitions the advantages step streams (stages/advantages.py)."""
 
 
 def peak_mb(now: bool = False) -> float:
@@ -158,7 +159,7 @@ def read_at_recorded(store, table: str, it: int):
     return store.read(table, RUN, it, version=recorded_at(store, table, it))
 
 
-def reward_step(cfg, store, clock: Clock) -> None:
+def reward_step(cfg: RunConfig, store, clock: Clock) -> None:
     """The scored_rollouts step as assets/scoring.py score_streaming runs it: the stage executor (streamed in
     this process, Ray Data from ray.data_min_rows rows), then the metadata from the SUMMARY columns."""
     with clock("reward.read"):  # the recorded version only: the executor reads the rows batch by batch
@@ -209,9 +210,9 @@ def steps(root: Path) -> dict:
     return out | {"driver_peak_rss_mb": overall, "step_peak_mb": peaks, "stage_s": dict(clock)}
 
 
-def advantages_step(cfg, store, clock: Clock) -> None:
+def advantages_step(cfg: RunConfig, store, clock: Clock) -> None:
     """The advantages step as assets/scoring.py runs it: the recorded versions, the stage streamed
-    (stages/advantage_stream.py: scalar columns, dense tensors, the output written batch by batch), metadata."""
+    (stages/advantages.py: scalar columns, dense tensors, the output written batch by batch), metadata."""
     with clock("advantages.read"):  # the recorded versions only: the stage streams the partitions
         scored, old = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in ADV_READS)
         scored = ScoredRollouts(scored, Partition(store.uri("rollouts"), RUN, 0, recorded_at(store, "rollouts", 0)))
@@ -224,7 +225,7 @@ def advantages_step(cfg, store, clock: Clock) -> None:
         adv["advantage"].abs().mean(), (adv["advantage"] == 0).mean(), adv["group_id"].nunique()
 
 
-def metrics_step(cfg, store, clock: Clock) -> None:
+def metrics_step(cfg: RunConfig, store, clock: Clock) -> None:
     """The iteration_metrics step as assets/training.py runs it: the recorded versions, the two partitions streamed."""
     with clock("metrics.read"):  # the recorded versions only: the stage streams the two partitions
         scored, adv = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in STREAMED)
@@ -356,7 +357,7 @@ def stop_counting() -> None:
 ORIGINAL_TABLE, ORIGINAL_HISTORY = delta.DeltaTable, delta.DeltaTable.history
 
 
-def write_iteration(store, cfg, it: int, frames: dict, clock: Clock | None = None) -> dict:
+def write_iteration(store, cfg: RunConfig, it: int, frames: dict, clock: Clock | None = None) -> dict:
     """One iteration's partitions of every table, in the DAG's order, each with its stage's lineage."""
     versions: dict[str, int] = {"prompts": 0}
     for table, reads in ITER_TABLES.items():
@@ -366,7 +367,7 @@ def write_iteration(store, cfg, it: int, frames: dict, clock: Clock | None = Non
     return versions
 
 
-def bookkeeping(store, tracker, cfg, it: int, frames: dict) -> dict:
+def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
     """Iteration `it`'s bookkeeping by call site (seconds), the Delta opens and history() calls, file counts."""
     clock, counts = Clock(), count_delta_calls()
     versions = write_iteration(store, cfg, it, frames, clock)
@@ -406,7 +407,7 @@ def bookkeeping(store, tracker, cfg, it: int, frames: dict) -> dict:
     return {"iteration": it, "per_iteration_s": per_iteration, "calls_s": dict(clock), **counts, "files": files}
 
 
-def measured(store, tracker, cfg, n: int, frames: dict, repeat: int) -> dict:
+def measured(store, tracker, cfg: RunConfig, n: int, frames: dict, repeat: int) -> dict:
     """bookkeeping of iterations n, n+2, ... (`repeat` of them), each number the median over them (the machine is
     shared: one sample is noise). Between two, one untimed write_iteration opens again the copies the previous
     one's new-process part dropped (forget_tables), as the grow loop leaves them before the first."""

@@ -1,387 +1,438 @@
-"""Advantage stage: group statistics in one pass over the iteration's batch (no shuffle).
+"""The advantages stage streamed (#36): no whole table as pandas in the Dagster step.
 
-The outcome reward sits on each response's last token; `algorithm.adv_estimator` turns it into
-token-level advantages (stages.algos.advantages.compute_advantages). The table keeps the
-per-token values and, in `advantage`, the first token's (the per-rollout scalar for outcome
-estimators such as GRPO and RLOO).
+stages.advantage_table.compute_advantage_table turns whole frames (every token list a Python object: ~8 GB of driver at
+100k rollouts of ~256 tokens) into the table. Here, for the same rows, order and values:
 
-Multi-turn rollouts carry a `response_mask` (1 = model token, 0 = observation token, null = all ones): the
-estimators see the mask (padding and observation tokens are 0), so the outcome reward sits on the last model
-token, GAE bootstraps across observation tokens to the next model token, and the advantages (and returns) of
-observation tokens are 0. The table keeps the mask for the update. The per-token lists (old_logprobs,
-ref_logprobs, values) still hold one entry per response token, observation tokens included.
+1. scalars: rollout_id, group_id, policy_version, reward, response_length, is_baseline, score of scored_rollouts,
+   streamed; today's row selection (drop_flagged_rollouts, select_training_groups, split_baseline_rows) on them.
+2. numbers: grpo (Dr.GRPO), rloo and opo without KL in the reward or distillation (per_row_path, the common case)
+   need per-row scalars only: the outcome score and the model-token count per row, then the same estimator
+   functions, and each output batch's token rows are those scalars times the batch's mask. Every other
+   estimator/option (REINFORCE++ and GAE whiten or run over the whole batch; KL in the reward, distillation, remax)
+   fills the (N, L) float32 tensors compute_advantage_table builds (mask; old/ref/teacher log-probs, values) batch
+   by batch and runs the same functions on them whole. Either way the numbers are bit-identical to today's.
+   The joined tables (old_logprobs, ref_logprobs, values, teacher_logprobs) are joined by rollout_id with a
+   merge join (join, JoinedRows): a first streamed pass reads their rollout_id and list lengths only (the checks),
+   then each pass that needs their token lists streams them a record batch at a time alongside scored_rollouts.
+   That needs them in the kept order (their stages write them in the rollouts' order); a table out of that order
+   is read whole as Arrow and taken into the kept order (the step's peak then grows by about 2x its column).
+3. output: scored_rollouts' token columns streamed again (Arrow), each batch's kept rows joined with their slices
+   of the outputs and the joined tables, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames).
+   The list columns reach the writer as Arrow buffers (token_advantages and returns built from numpy), never
+   as Python lists.
 
-ReMax's greedy rows (`is_baseline` in scored_rollouts) are never training samples: every estimator
-drops them, and remax takes each group's baseline reward from its one greedy row (missing: an error).
-
-KL in the reward (algorithm.use_kl_in_reward) compares the actor's recomputed old log-probs (the
-old_logprobs table, verl's old_log_prob) with the reference's, as verl's apply_kl_penalty does. The table
-carries each rollout's old_logprobs (the torch update's PPO ratio denominator) and its engine-vs-trainer gap
-(rollout_probs_diff_max / _mean), so a query finds the rollouts where the engine and the trainer disagree,
-and the engine's rollout_logprobs, which the update's algorithm.rollout_correction compares with the trainer's.
+Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
+sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
+order, so the partitions are read whole and stages.advantage_table.iteration_advantages computes the table, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
-from stages.algos.advantages import compute_advantages, outcome_to_token_rewards
-from stages.algos.distill import compute_distillation_advantages, teacher_kl_per_rollout
-from stages.algos.kl import apply_kl_penalty, compute_kl_penalty
-from stages.algos.kl_ctrl import make_kl_controller
+from stages.advantage_table import (
+    distilled,
+    drop_flagged_rollouts,
+    estimate,
+    finite_rewards,
+    iteration_advantages,
+    kl_coef_for_iteration,
+    kl_in_reward,
+    remax_baseline_rewards,
+)
+from stages.algos.advantages import (
+    broadcast_to_tokens,
+    compute_grpo_advantages,
+    compute_opo_advantages,
+    compute_rloo_advantages,
+    outcome_to_token_rewards,
+)
 from stages.filter_groups import select_training_groups, split_baseline_rows
-from stages.train.batching import loss_mask, ragged_to_padded, row_masks
+from stages.io.stage_exec import BATCH_ROWS, MergeTake, Partition, stream_places, write_frames
+from stages.train.batching import loss_mask, row_masks
+
+SCALARS = ["rollout_id", "group_id", "policy_version", "reward", "response_length", "is_baseline", "score"]
+"""The scored_rollouts columns the row selection and the outcome math read (pass 1)."""
+
+TOKENS = ["prompt_token_ids", "response_token_ids", "response_mask", "rollout_logprobs"]
+"""The scored_rollouts token columns the advantages table copies (pass 3)."""
+
+SUMMARY = ["group_id", "advantage", "kl_coef", "teacher_kl"]
+"""The per-row columns the asset's metadata and finite check read (returned, never read back)."""
+
+JOINS = {
+    "old": ("old_logprobs", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], "old log-probs", "old_logprobs"),
+    "ref": ("ref_logprobs", [], "reference log-probs", "ref_logprobs"),
+    "values": ("values", [], "critic values", "values"),
+    "teacher": ("teacher_logprobs", [], "teacher log-probs", "teacher_logprobs"),
+}
+"""Upstream table -> (its token column, scalar columns copied, what its rows are, the asset to re-materialize)."""
 
 
-def drop_flagged_rollouts(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """(rows with a finite reward, how many were dropped): reward.on_error='flag' trains on the
-    rest of the batch; the flagged rows stay in scored_rollouts with their reward_error. A group whose
-    ReMax baseline row is flagged has no baseline: all its rows are dropped."""
-    ok = np.isfinite(scored["reward"].to_numpy(dtype=np.float64))
-    if "is_baseline" in scored:
-        lost = set(scored.loc[~ok & scored["is_baseline"].astype(bool).to_numpy(), "group_id"])
-        ok &= ~scored["group_id"].isin(lost).to_numpy()
-    if len(scored) and not ok.any():
-        raise ValueError(
-            f"all {len(scored)} rollouts were flagged by the reward stage (reward_error in "
-            "scored_rollouts), so there is nothing to train on; fix the reward function and "
-            "re-materialize scored_rollouts for this iteration"
-        )
-    return scored[ok].reset_index(drop=True), int((~ok).sum())
+@dataclass(frozen=True)
+class Upstream:
+    """The partitions the advantages stage reads (None: the run does not use that table)."""
+
+    scored: Partition
+    old: Partition | None = None
+    ref: Partition | None = None
+    values: Partition | None = None
+    teacher: Partition | None = None
+    previous: Partition | None = None
 
 
-def remax_baseline_rewards(sampled: pd.DataFrame, baselines: pd.DataFrame) -> torch.Tensor:
-    """(N,) the reward of each sampled rollout's group's greedy baseline row (exactly one per group)."""
-    counts = baselines["group_id"].value_counts()
-    twice = counts[counts > 1].index.tolist()[:10]
-    missing = sorted(set(sampled["group_id"]) - set(baselines["group_id"]))[:10]
-    bad = baselines.loc[~np.isfinite(baselines["reward"].to_numpy(dtype=np.float64)), "group_id"].tolist()[:10]
-    if missing or twice or bad:
-        found = "; ".join(
-            f"groups {g} {what}"
-            for g, what in ((missing, "have none"), (twice, "have several"), (bad, "have a non-finite baseline reward"))
-            if g
-        )
-        raise ValueError(
-            f"adv_estimator='remax' needs exactly one greedy baseline row (is_baseline) with a finite reward per "
-            f"group, because each sample's advantage is its reward minus its prompt's greedy reward; {found}. "
-            "Re-materialize rollouts and scored_rollouts of this iteration with adv_estimator='remax' (rollouts "
-            "made by another estimator have no baselines), fix the reward function, or pick another adv_estimator"
-        )
-    by_group = dict(zip(baselines["group_id"].tolist(), baselines["reward"].tolist(), strict=True))
-    return torch.tensor([by_group[g] for g in sampled["group_id"].tolist()], dtype=torch.float32)
+@dataclass(frozen=True)
+class AdvantageRun:
+    """What one streamed advantages stage did: new version, SUMMARY columns, rollouts dropped as flagged, mode."""
+
+    version: int
+    summary: pd.DataFrame
+    dropped: int
+    mode: str
 
 
-def compute_advantage_table(
-    scored: pd.DataFrame,
-    algorithm_cfg,
-    values: pd.DataFrame | None = None,
-    *,
-    ref: pd.DataFrame | None = None,
-    kl_coef: float | None = None,
-    old: pd.DataFrame | None = None,
-    teacher: pd.DataFrame | None = None,
-) -> pd.DataFrame:
-    """Rows of the advantages table for one iteration's scored rollouts (`values`: its values table, needed by
-    adv_estimator='gae'; `ref`, `old`, `teacher`: its ref_logprobs, old_logprobs and teacher_logprobs tables).
-    ReMax's greedy baseline rows are left out of the table (and give remax its per-group baseline)."""
-    scored, baselines = split_baseline_rows(scored)
-    baseline_rewards = remax_baseline_rewards(scored, baselines) if algorithm_cfg.adv_estimator == "remax" else None
-    rewards = finite_rewards(scored)
-    lengths = torch.tensor(scored["response_length"].to_numpy(dtype=np.int64))
-    mask, masks = model_token_mask(scored, lengths)  # (N, L) 1 on the model's tokens: the reward sits on the last
-    token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
-    old_lp, old_cols = old_logprob_columns(scored, old, lengths, mask.shape[1])  # (N, L) or None, the table's
-    # KL in reward (ref: the ref_logprobs table): token_rewards -= beta * KL per token, before any estimator
-    token_rewards, kl_cols = reward_kl_columns(scored, ref, token_rewards, mask, algorithm_cfg, kl_coef, old_lp)
-    gae_values = critic_values(scored, values, mask.shape[1]) if algorithm_cfg.adv_estimator == "gae" else None
-    adv, returns = estimate(algorithm_cfg, token_rewards, mask, scored["group_id"], gae_values, baseline_rewards)
-    adv, distill_cols = distillation_columns(scored, teacher, adv, mask, old_lp, algorithm_cfg.distillation)
-    keys = ("rollout_id", "group_id", "policy_version", "prompt_token_ids", "response_token_ids")
-    return pd.DataFrame(
-        {
-            **{key: scored[key].to_numpy() for key in keys},
-            "response_mask": pd.Series(masks or [None] * len(scored), dtype=object),
-            "reward": rewards,
-            "advantage": adv[:, 0].numpy(),
-            "token_advantages": [adv[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
-            "adv_estimator": algorithm_cfg.adv_estimator,
-            "rollout_logprobs": engine_logprob_lists(scored),
-            **old_cols,
-            **kl_cols,
-            **distill_cols,
-            "returns": [returns[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
-        }
+def read_scalars(scored: Partition, batch_rows: int | None = None) -> pd.DataFrame:
+    """Pass 1: the SCALARS columns scored_rollouts has, plus `_pos` (the row's place in the stream)."""
+    frame = pd.concat(list(scored.batches(SCALARS, batch_rows)), ignore_index=True)
+    return frame.assign(_pos=np.arange(len(frame)))
+
+
+def selected_rows(cfg: RunConfig, scalars: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(kept training rows in the table's order, ReMax baseline rows, rollouts dropped as flagged): the row
+    selection of stages.advantage_table.iteration_advantages, on the scalar columns."""
+    dropped = 0
+    if cfg.reward.on_error == "flag":
+        scalars, dropped = drop_flagged_rollouts(scalars)
+    kept = select_training_groups(
+        scalars, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
     )
+    kept, baselines = split_baseline_rows(kept)
+    return kept, baselines, dropped
 
 
-def estimate(algorithm_cfg, token_rewards, mask, group_ids, values=None, baseline_rewards=None):
-    """(advantages, returns), each (N, L): algorithm.adv_estimator over token_rewards and mask (N, L), with the
-    algorithm's lam / gamma / norm_adv_by_std_in_grpo; group_ids (N,) the rows' group_id column; values (N, L)
-    for gae, baseline_rewards (N,) for remax."""
-    return compute_advantages(
-        algorithm_cfg.adv_estimator,
-        token_level_rewards=token_rewards,
-        response_mask=mask,
-        values=values,
-        lam=algorithm_cfg.lam,
-        group_ids=torch.tensor(np.asarray(group_ids, dtype=np.int64)),
-        baseline_rewards=baseline_rewards,
-        gamma=algorithm_cfg.gamma,
-        norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo,
-    )
+@dataclass(frozen=True)
+class Joined:
+    """An upstream table joined by rollout_id: `positions`, the place in its stream of each kept row's row (in the
+    kept order); `whole`, its columns taken into the kept order, only where those places do not increase."""
+
+    part: Partition
+    which: str
+    positions: np.ndarray
+    whole: pa.Table | None
+    batch_rows: int | None = None
+
+    def rows(self) -> JoinedRows:
+        """A new pass over the kept rows' rows."""
+        return JoinedRows(self)
 
 
-def model_token_mask(scored: pd.DataFrame, lengths: torch.Tensor) -> tuple[torch.Tensor, list | None]:
-    """((N, L) float mask, 1 on the model's tokens of each response: 0 on padding and, where the rollout has a
-    response_mask, on its observation tokens; the rows' response masks (stages.train.batching.row_masks), None
-    when no rollout has one). lengths: (N,) response tokens per rollout; L = max(1, the longest)."""
-    masks = row_masks(scored.get("response_mask"))
-    return loss_mask(lengths.tolist(), max(1, int(lengths.max())), masks), masks
-
-
-def engine_logprob_lists(scored: pd.DataFrame) -> list[list[float]]:
-    """The rollouts' engine log-probs (rollout_logprobs, one per response token) for the update's
-    algorithm.rollout_correction; empty lists where the scored rows have none (tests, older tables)."""
-    if "rollout_logprobs" not in scored:
-        return [[] for _ in range(len(scored))]
-    return [[] if x is None else list(x) for x in scored["rollout_logprobs"]]
-
-
-def finite_rewards(scored: pd.DataFrame) -> np.ndarray:
-    """(N,) float64 rewards of the scored rollouts; a non-finite one is an error naming its rollouts."""
-    rewards = scored["reward"].to_numpy(dtype=np.float64)
-    if not np.isfinite(rewards).all():
-        bad = scored.loc[~np.isfinite(rewards), "rollout_id"].tolist()[:10]
+def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None = None) -> Joined:
+    """The upstream table's rows of the kept rollouts (streamed: rollout_id and list lengths only); a kept rollout
+    it lacks, or a token list of another length than the response, is an error naming the rollouts."""
+    column, scalars, what, asset = JOINS[which]
+    ids, lengths = [np.zeros(0, np.int64)], [np.zeros(0)]
+    for batch in part.record_batches(["rollout_id", column]):
+        ids.append(batch["rollout_id"].to_numpy())
+        lengths.append(pc.list_value_length(batch[column]).to_numpy(zero_copy_only=False))
+    src, wanted = np.concatenate(ids), kept["rollout_id"].to_numpy()
+    positions, found = stream_places(src, wanted)
+    if not found.all():
         raise ValueError(
-            f"non-finite rewards for rollouts {bad} (see reward_error in scored_rollouts); "
-            "fix the reward function or re-score before computing advantages"
+            f"rollouts {wanted[~found][:10].tolist()} have no {what}; the {asset} table is from other rollouts: "
+            f"re-materialize {asset} of this iteration after its rollouts"
         )
-    return rewards
+    bad = wanted[np.concatenate(lengths)[positions] != kept["response_length"].to_numpy(dtype=np.int64)]
+    if len(bad):
+        raise ValueError(
+            f"rollouts {bad[:10].tolist()}: {what} of another length than the response; re-materialize {asset}"
+        )
+    ordered = bool((np.diff(positions) > 0).all())  # the table in the kept order (a subset): merge, else take whole
+    whole = None if ordered else part.arrow([column, *scalars]).take(pa.array(positions))
+    return Joined(part, which, positions, whole, batch_rows)
 
 
-def critic_values(scored: pd.DataFrame, values: pd.DataFrame | None, width: int) -> torch.Tensor:
-    """(N, width) critic values aligned to `scored` by rollout_id (GAE), zeros after each response."""
-    if values is None:
-        raise ValueError(
-            "adv_estimator='gae' needs the iteration's critic values (the `values` table); "
-            "materialize the `values` asset of this iteration first, or pick another estimator"
-        )
-    by_id = dict(zip(values["rollout_id"].tolist(), values["values"], strict=True))
-    missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
-    if missing:
-        raise ValueError(
-            f"rollouts {missing} have no critic values; the values table is from other rollouts: "
-            "re-materialize `values` of this iteration after its rollouts"
-        )
-    out = torch.zeros(len(scored), width)
-    for i, (rid, n) in enumerate(zip(scored["rollout_id"].tolist(), scored["response_length"].tolist(), strict=True)):
-        v = list(by_id[rid])
-        if len(v) != n:
-            raise ValueError(f"rollout {rid}: {len(v)} critic values for {n} response tokens; re-materialize `values`")
-        out[i, :n] = torch.as_tensor(v, dtype=torch.float32)
+class JoinedRows(MergeTake):
+    """One pass over a Joined table's kept rows (stage_exec.MergeTake over its token and scalar columns): take(first,
+    k), called with increasing `first`, gives kept rows first..first+k. A merge join over the two streams, or the
+    `whole` columns sliced."""
+
+    def __init__(self, joined: Joined):
+        column, scalars, _, _ = JOINS[joined.which]
+        super().__init__(joined.part, [column, *scalars], joined.positions, joined.batch_rows, whole=joined.whole)
+
+
+def fill_rows(out: torch.Tensor, column: pa.Array | pa.ChunkedArray) -> None:
+    """Write a list column's k rows into `out` (k, width) (zeros after each list, a null row all zeros), as
+    ragged_to_padded does from Python lists."""
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy()
+    within = np.arange(out.shape[1])[None, :] < lengths[:, None]  # (k, width)
+    out.numpy()[within] = pc.list_flatten(column).to_numpy(zero_copy_only=False)
+
+
+def padded(joined: Joined, width: int) -> torch.Tensor:
+    """(N, width) float32 of a joined table's token column in the kept order, a batch at a time."""
+    column, rows, n = JOINS[joined.which][0], joined.rows(), len(joined.positions)
+    out = torch.zeros(n, width)
+    for first in range(0, n, BATCH_ROWS):
+        fill_rows(out[first : first + BATCH_ROWS], rows.take(first, min(BATCH_ROWS, n - first))[column])
     return out
 
 
-def old_logprob_columns(
-    scored: pd.DataFrame, old: pd.DataFrame | None, lengths: torch.Tensor, width: int
-) -> tuple[torch.Tensor | None, dict]:
-    """((N, L) the old_logprobs table's log-probs aligned to `scored` by rollout_id, or None without the table;
-    the advantages table's old_logprobs / rollout_probs_diff_max / rollout_probs_diff_mean columns, copied from
-    it: empty lists and NaN without it).
+def kept_batches(scored: Partition, kept: pd.DataFrame, columns: list[str], batch_rows: int | None):
+    """(first kept index, the batch's kept rows as Arrow) over scored_rollouts streamed again, in the kept order
+    (which is the stream's: stream_advantages checked it)."""
+    pos, seen, first = kept["_pos"].to_numpy(), 0, 0
+    for batch in scored.record_batches(columns, batch_rows):
+        stop = int(np.searchsorted(pos, seen + batch.num_rows))
+        if stop > first:
+            yield first, batch.take(pa.array(pos[first:stop] - seen))
+        seen, first = seen + batch.num_rows, stop
 
-    old: rollout_id, old_logprobs (one float per response token, observation tokens too),
-    rollout_probs_diff_max / _mean. lengths: (N,) response tokens of each scored rollout; width: L."""
-    n = len(scored)
-    cols = {
-        "old_logprobs": [[] for _ in range(n)],
-        "rollout_probs_diff_max": np.full(n, np.nan),
-        "rollout_probs_diff_mean": np.full(n, np.nan),
+
+def masks_of(rows: pa.RecordBatch):
+    """row_masks of the rows' response_mask (None: the table has none, or no row has one)."""
+    return row_masks(rows["response_mask"].to_pylist() if "response_mask" in rows.schema.names else None)
+
+
+def scored_dense(scored: Partition, kept: pd.DataFrame, width: int, engine_lp: bool, batch_rows: int | None):
+    """((N, width) model-token mask, (N, width) engine rollout_logprobs or None): the mask as
+    stages.advantage_table.model_token_mask makes it, filled a batch at a time."""
+    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    mask = loss_mask(lengths.tolist(), width)  # (N, L) all ones up to each length
+    has = set(scored.columns())
+    columns = [c for c in ("response_mask", "rollout_logprobs") if c in has and (c == "response_mask" or engine_lp)]
+    lp = torch.zeros(len(kept), width) if engine_lp else None
+    if not columns:
+        return mask, lp
+    for first, rows in kept_batches(scored, kept, columns, batch_rows):
+        stop = first + rows.num_rows
+        masks = masks_of(rows)
+        if masks is not None:
+            mask[first:stop] = loss_mask(lengths[first:stop].tolist(), width, masks)
+        if engine_lp:
+            fill_rows(lp[first:stop], rows["rollout_logprobs"])
+    return mask, lp
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The stage's numbers: advantages (N, L) and returns (N, L), or per-row advantages (N,) whose token rows are
+    them times the model-token mask (returns = advantages, per_row_path); rewards (N,); kl_coef / reward_kl /
+    teacher_kl (N,) columns."""
+
+    adv: torch.Tensor
+    returns: torch.Tensor | None
+    rewards: np.ndarray
+    cols: dict
+
+    def token_rows(self, first: int, lengths: np.ndarray, masks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of kept rows first..first+len(lengths), (k, L') with L' >= each length."""
+        sl = slice(first, first + len(lengths))
+        if self.returns is not None:
+            return self.adv[sl], self.returns[sl]
+        mask = loss_mask(lengths.tolist(), max(1, int(lengths.max())), masks)  # (k, L') the rows' own width
+        tokens = broadcast_to_tokens(self.adv[sl], mask)  # (k, L') as compute_advantages' _grpo / _rloo / _opo
+        return tokens, tokens
+
+
+PER_ROW = ("grpo", "rloo", "opo")
+"""Outcome estimators whose token advantages are a per-row scalar times the mask (no whitening over the batch)."""
+
+
+def per_row_path(alg) -> bool:
+    """grpo (Dr.GRPO), rloo, opo without KL in the reward or distillation: no (N, L) tensor is needed."""
+    return alg.adv_estimator in PER_ROW and not alg.use_kl_in_reward and not alg.distillation.enable
+
+
+def model_token_counts(scored: Partition, kept: pd.DataFrame, batch_rows: int | None) -> torch.Tensor:
+    """(N,) float32 model tokens per kept rollout (the mask's row sums): its response_length, less the observation
+    tokens of its response_mask, counted a batch at a time."""
+    lengths = kept["response_length"].to_numpy(dtype=np.int64)
+    counts = torch.as_tensor(lengths, dtype=torch.float32)
+    if "response_mask" not in scored.columns():
+        return counts
+    for first, rows in kept_batches(scored, kept, ["response_mask"], batch_rows):
+        masks, sub = masks_of(rows), lengths[first : first + rows.num_rows]
+        if masks is not None:
+            counts[first : first + rows.num_rows] = loss_mask(sub.tolist(), max(1, int(sub.max())), masks).sum(-1)
+    return counts
+
+
+def row_advantages(cfg: RunConfig, kept: pd.DataFrame, counts: torch.Tensor) -> Outputs:
+    """compute_advantages' numbers for a per_row_path estimator from (N,) scalars: the outcome score (the masked
+    sum of outcome_to_token_rewards' row, the reward itself or 0 without a model token; + 0.0 as the sum's -0.0)
+    and the model-token counts (opo's lengths)."""
+    alg, rewards = cfg.algorithm, finite_rewards(kept)
+    r = torch.tensor(rewards, dtype=torch.float32)
+    scores = torch.where(counts > 0, r, torch.zeros_like(r)) + 0.0  # (N,)
+    group_ids = torch.tensor(kept["group_id"].to_numpy(dtype=np.int64))
+    if alg.adv_estimator == "grpo":
+        adv = compute_grpo_advantages(scores, group_ids, scale_by_std=alg.norm_adv_by_std_in_grpo)
+    elif alg.adv_estimator == "rloo":
+        adv = compute_rloo_advantages(scores, group_ids)
+    else:
+        adv = compute_opo_advantages(scores, counts, group_ids)
+    nan = np.full(len(kept), np.nan)
+    return Outputs(adv, None, rewards, {"kl_coef": nan, "reward_kl": nan, "teacher_kl": nan})
+
+
+def dense_advantages(cfg: RunConfig, kept, baselines, joined: dict, mask, engine_lp, kl_coef):
+    """Outputs (advantages (N, L), returns (N, L)): the math of stages.advantage_table.compute_advantage_table on the
+    same dense tensors, so the same numbers."""
+    alg, (n, width) = cfg.algorithm, mask.shape
+    baseline_rewards = remax_baseline_rewards(kept, baselines) if alg.adv_estimator == "remax" else None
+    rewards = finite_rewards(kept)
+    token_rewards = outcome_to_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)  # (N, L)
+    cols = {"kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan), "teacher_kl": np.full(n, np.nan)}
+    student = engine_lp  # the engine's log-probs without an old_logprobs table, as the whole-frame path
+    if "old" in joined and (alg.use_kl_in_reward or alg.distillation.enable):
+        student = padded(joined["old"], width)  # (N, L) the actor's recomputed log-probs
+    if alg.use_kl_in_reward:
+        ref_lp = padded(joined["ref"], width)  # (N, L)
+        token_rewards, kl_cols = kl_in_reward(alg, token_rewards, mask, student, ref_lp, kl_coef)
+        cols |= kl_cols
+    gae_values = padded(joined["values"], width) if alg.adv_estimator == "gae" else None
+    adv, returns = estimate(alg, token_rewards, mask, kept["group_id"], gae_values, baseline_rewards)
+    if alg.distillation.enable:
+        teacher = padded(joined["teacher"], width)  # (N, L)
+        adv, cols["teacher_kl"] = distilled(adv, student, teacher, mask, alg.distillation)
+    return Outputs(adv, returns, rewards, cols)
+
+
+def arrow_series(array: pa.Array | pa.ChunkedArray) -> pd.Series:
+    """A pandas column over Arrow buffers (no Python object per row or value); the writer takes it as is."""
+    return pd.Series(pd.arrays.ArrowExtensionArray(array))
+
+
+def list_column(values: np.ndarray, lengths: np.ndarray) -> pd.Series:
+    """A list column from its rows' values end to end and the rows' lengths."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return arrow_series(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+
+
+def token_lists(t: torch.Tensor, lengths: np.ndarray) -> pd.Series:
+    """Each row's first lengths[i] values of t (k, L'): what [t[i, :n].tolist() ...] holds, as list<float>."""
+    return list_column(t.numpy()[np.arange(t.shape[1])[None, :] < lengths[:, None]], lengths)
+
+
+def engine_lists(rows: pa.RecordBatch) -> pd.Series:
+    """stages.advantage_table.engine_logprob_lists in Arrow: rollout_logprobs, an empty list where a row has none."""
+    if "rollout_logprobs" not in rows.schema.names:
+        return list_column(np.zeros(0, np.float32), np.zeros(rows.num_rows, np.int64))
+    column = rows["rollout_logprobs"]
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy()
+    return list_column(pc.list_flatten(column).to_numpy(zero_copy_only=False), lengths)
+
+
+def joined_columns(cursors: dict, first: int, k: int) -> dict:
+    """The advantages table's old_logprobs / rollout_probs_diff_* / ref_logprobs / teacher_logprobs columns for
+    kept rows first..first+k (empty lists and NaN for a table the run does not join)."""
+    empty = list_column(np.zeros(0, np.float32), np.zeros(k, np.int64))
+    out = {"old_logprobs": empty, "rollout_probs_diff_max": np.full(k, np.nan)}
+    out |= {"rollout_probs_diff_mean": np.full(k, np.nan), "ref_logprobs": empty, "teacher_logprobs": empty}
+    for which, cursor in cursors.items():
+        column, scalars, _, _ = JOINS[which]
+        part = cursor.take(first, k)
+        out[column] = arrow_series(part[column])
+        out |= {c: part[c].to_numpy().astype(np.float64) for c in scalars}
+    return out
+
+
+def output_frames(
+    cfg: RunConfig, scored: Partition, kept, joined: dict, out: Outputs, firsts: list, batch_rows
+) -> Iterator[pd.DataFrame]:
+    """Pass 3: the advantages table a batch of scored_rollouts at a time, columns as compute_advantage_table's
+    (the list columns over Arrow buffers); each batch's `advantage` column is appended to `firsts`."""
+    has, lengths = set(scored.columns()), kept["response_length"].to_numpy(dtype=np.int64)
+    cursors = {w: j.rows() for w, j in joined.items() if w != "values"}  # GAE reads values; the table has none
+    for first, rows in kept_batches(scored, kept, [c for c in TOKENS if c in has], batch_rows):
+        sl, k, masks = slice(first, first + rows.num_rows), rows.num_rows, masks_of(rows)
+        a, r = out.token_rows(first, lengths[sl], masks)
+        firsts.append(a[:, 0].numpy().copy())  # not a view: it would keep the whole (k, L') rows alive
+        advantages = token_lists(a, lengths[sl])
+        yield pd.DataFrame(
+            {
+                **{key: kept[key].to_numpy()[sl] for key in ("rollout_id", "group_id", "policy_version")},
+                **{key: arrow_series(rows[key]) for key in ("prompt_token_ids", "response_token_ids")},
+                "response_mask": pd.Series(masks or [None] * k, dtype=object),
+                "reward": out.rewards[sl],
+                "advantage": firsts[-1],
+                "token_advantages": advantages,
+                "adv_estimator": cfg.algorithm.adv_estimator,
+                "rollout_logprobs": engine_lists(rows),
+                **joined_columns(cursors, first, k),
+                **{key: out.cols[key][sl] for key in ("kl_coef", "reward_kl", "teacher_kl")},
+                "returns": advantages if r is a else token_lists(r, lengths[sl]),
+            }
+        )
+
+
+def joins_of(cfg: RunConfig, up: Upstream) -> list[str]:
+    """The upstream tables this run joins by rollout_id, after the whole-frame path's checks that they exist."""
+    alg = cfg.algorithm
+    needed = {"old": True, "ref": True, "values": alg.adv_estimator == "gae", "teacher": alg.distillation.enable}
+    missing = {
+        "values": "adv_estimator='gae' needs the iteration's critic values (the `values` table); materialize the "
+        "`values` asset of this iteration first, or pick another estimator",
+        "ref": "algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize the "
+        "ref_logprobs asset of this iteration first, or set use_kl_in_reward=false",
+        "teacher": "algorithm.distillation.enable=true needs the iteration's teacher_logprobs table, because the "
+        "distillation advantage compares the student's log-probs with the teacher's; materialize the "
+        "teacher_logprobs asset of this iteration first, or set algorithm.distillation.enable=false",
     }
-    if old is None:
-        return None, cols
-    rows = old.set_index("rollout_id")
-    ids = scored["rollout_id"].tolist()
-    missing = [r for r in ids if r not in rows.index][:10]
-    if missing:
-        raise ValueError(
-            f"rollouts {missing} have no old log-probs; the old_logprobs table is from other rollouts: "
-            "re-materialize old_logprobs of this iteration after its rollouts"
-        )
-    rows = rows.loc[ids]
-    lists = [list(x) for x in rows["old_logprobs"]]
-    bad = [r for r, x, k in zip(ids, lists, lengths.tolist(), strict=True) if len(x) != k][:10]
-    if bad:
-        raise ValueError(f"rollouts {bad}: old_logprobs of another length than the response; re-materialize them")
-    cols["old_logprobs"] = lists
-    for column in ("rollout_probs_diff_max", "rollout_probs_diff_mean"):
-        cols[column] = rows[column].to_numpy(dtype=np.float64)
-    return ragged_to_padded(lists, width), cols
+    must = {"values": needed["values"], "ref": alg.use_kl_in_reward, "teacher": needed["teacher"]}
+    for which, required in must.items():
+        if required and getattr(up, which) is None:
+            raise ValueError(missing[which])
+    return [w for w, need in needed.items() if need and getattr(up, w) is not None]
 
 
-def reward_kl_columns(
-    scored: pd.DataFrame,
-    ref: pd.DataFrame | None,
-    token_rewards: torch.Tensor,
-    mask: torch.Tensor,
-    algorithm_cfg,
-    kl_coef: float | None,
-    old_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """(token-level rewards, the ref_logprobs / kl_coef / reward_kl columns of the advantages table).
+def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> AdvantageRun:
+    """The explicit fallback (module docstring): every partition read whole, stages.advantage_table's computation."""
 
-    With ref (rollout_id + ref_logprobs lists) the rows carry their reference log-probs (for actor.use_kl_loss);
-    with algorithm.use_kl_in_reward also r_t -= kl_coef * KL_t(old_logprobs, ref_logprobs) (verl
-    apply_kl_penalty, on the actor's recomputed old log-probs (N, L)) and reward_kl = the rollout's token-mean
-    KL, which the adaptive controller reads back. old_logprobs None (no old_logprobs table: unit tests, tables
-    of an older rlake): the engine's rollout_logprobs instead."""
-    n = len(scored)
-    cols = {"ref_logprobs": [[] for _ in range(n)], "kl_coef": np.full(n, np.nan), "reward_kl": np.full(n, np.nan)}
-    if ref is None:
-        if algorithm_cfg.use_kl_in_reward:
-            raise ValueError(
-                "algorithm.use_kl_in_reward=True needs the iteration's ref_logprobs table; materialize "
-                "the ref_logprobs asset of this iteration first, or set use_kl_in_reward=false"
-            )
-        return token_rewards, cols
-    by_id = dict(zip(ref["rollout_id"].tolist(), ref["ref_logprobs"], strict=True))
-    missing = [r for r in scored["rollout_id"].tolist() if r not in by_id][:10]
-    if missing:
-        raise ValueError(
-            f"rollouts {missing} have no reference log-probs; the ref_logprobs table is from other "
-            "rollouts: re-materialize ref_logprobs of this iteration after its rollouts"
-        )
-    ref_lists = [list(by_id[rid]) for rid in scored["rollout_id"].tolist()]
-    lengths = scored["response_length"].astype(int).tolist()  # every response token, observations too
-    assert [len(r) for r in ref_lists] == lengths, f"{[len(r) for r in ref_lists]=} {lengths=}"
-    cols["ref_logprobs"] = ref_lists
-    if not algorithm_cfg.use_kl_in_reward:
-        return token_rewards, cols
-    ref_lp = ragged_to_padded(ref_lists, mask.shape[1])  # (N, L)
-    lp = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
-    rewards, kl_cols = kl_in_reward(algorithm_cfg, token_rewards, mask, lp, ref_lp, kl_coef)
-    return rewards, cols | kl_cols
+    def read(part: Partition | None) -> pd.DataFrame | None:
+        return None if part is None else pd.concat(list(part.batches()), ignore_index=True)
+
+    frames = {k: read(getattr(up, k)) for k in ("values", "ref", "previous", "old", "teacher")}
+    adv, dropped = iteration_advantages(cfg, read(up.scored), **frames)
+    s = up.scored
+    version = write_frames([adv], target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
+    return AdvantageRun(version, adv[SUMMARY].copy(), dropped, "whole-frame")
 
 
-def kl_in_reward(
-    algorithm_cfg, token_rewards, mask, student, ref_lp, kl_coef: float | None
-) -> tuple[torch.Tensor, dict]:
-    """verl's apply_kl_penalty on dense tensors: (token rewards (N, L) less beta * KL_t(student, ref_lp), the
-    kl_coef / reward_kl (N,) columns: beta and each rollout's token-mean KL). token_rewards, mask, student (the
-    actor's log-probs), ref_lp: (N, L); kl_coef None: algorithm.kl_ctrl.kl_coef."""
-    beta = algorithm_cfg.kl_ctrl.kl_coef if kl_coef is None else kl_coef
-    rewards, _ = apply_kl_penalty(token_rewards, student, ref_lp, mask, beta, algorithm_cfg.kl_penalty)
-    kld = compute_kl_penalty(student, ref_lp, algorithm_cfg.kl_penalty) * mask  # (N, L)
-    reward_kl = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).double().numpy()  # (N,) token-mean per rollout
-    return rewards, {"kl_coef": np.full(len(mask), beta), "reward_kl": reward_kl}
-
-
-def distillation_columns(
-    scored: pd.DataFrame,
-    teacher: pd.DataFrame | None,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    distill_cfg,
-) -> tuple[torch.Tensor, dict]:
-    """(advantages, the teacher_logprobs / teacher_kl columns of the advantages table): with
-    algorithm.distillation.enable, adv (N, L) becomes stages.algos.distill.compute_distillation_advantages of it, the
-    student's old log-probs (N, L) (None: the engine's rollout_logprobs) and the teacher's (the teacher_logprobs
-    table: rollout_id + teacher_logprobs lists); teacher_kl is each rollout's token-mean log pi_student - log
-    pi_teacher over its own tokens. Without distillation: adv unchanged, empty lists and NaN."""
-    n = len(scored)
-    cols = {"teacher_logprobs": [[] for _ in range(n)], "teacher_kl": np.full(n, np.nan)}
-    if not distill_cfg.enable:
-        return adv, cols
-    if teacher is None:
-        raise ValueError(
-            "algorithm.distillation.enable=true needs the iteration's teacher_logprobs table, because the "
-            "distillation advantage compares the student's log-probs with the teacher's; materialize the "
-            "teacher_logprobs asset of this iteration first, or set algorithm.distillation.enable=false"
-        )
-    by_id = dict(zip(teacher["rollout_id"].tolist(), teacher["teacher_logprobs"], strict=True))
-    ids = scored["rollout_id"].tolist()
-    lists = [list(by_id.get(rid, ())) for rid in ids]
-    bad = [r for r, x, k in zip(ids, lists, scored["response_length"].astype(int), strict=True) if len(x) != k]
-    if bad:
-        raise ValueError(
-            f"rollouts {bad[:10]} have no teacher log-probs of their response's length; the teacher_logprobs table "
-            "is from other rollouts: re-materialize teacher_logprobs of this iteration after its rollouts"
-        )
-    student = old_logprobs if old_logprobs is not None else ragged_to_padded(scored["rollout_logprobs"], mask.shape[1])
-    adv, cols["teacher_kl"] = distilled(adv, student, ragged_to_padded(lists, mask.shape[1]), mask, distill_cfg)
-    cols["teacher_logprobs"] = lists
-    return adv, cols
-
-
-def distilled(adv, student, teacher_lp, mask, distill_cfg) -> tuple[torch.Tensor, np.ndarray]:
-    """(compute_distillation_advantages of adv with algorithm.distillation's knobs, each rollout's token-mean
-    reverse KL (N,) float64). adv, student, teacher_lp, mask: (N, L)."""
-    adv, reverse_kl = compute_distillation_advantages(
-        adv,
-        student,
-        teacher_lp,
-        mask,
-        kl_penalty_coef=distill_cfg.kl_penalty_coef,
-        use_task_rewards=distill_cfg.use_task_rewards,
-        loss_max_clamp=distill_cfg.loss_max_clamp,
-    )
-    return adv, teacher_kl_per_rollout(reverse_kl, mask).double().numpy()
-
-
-def kl_coef_for_iteration(algorithm_cfg, previous: pd.DataFrame | None) -> float:
-    """beta of this iteration: kl_ctrl.kl_coef (fixed, or iteration 0), else the adaptive controller's update
-    of the previous iteration's stored beta by its stored per-rollout KL (a function of stored data only,
-    so re-materializing or resuming an iteration reproduces it).
-
-    previous: the previous iteration's advantages partition (kl_coef, reward_kl), None at iteration 0."""
-    ctrl = algorithm_cfg.kl_ctrl
-    if ctrl.type == "fixed" or previous is None:
-        return float(ctrl.kl_coef)
-    beta = float(previous["kl_coef"].iloc[0])
-    kl = previous["reward_kl"].to_numpy(dtype=np.float64)
-    if not np.isfinite(beta) or not np.isfinite(kl).all():
-        raise ValueError(
-            "the previous iteration's advantages hold no KL-in-reward coefficient (it ran without "
-            "algorithm.use_kl_in_reward); re-materialize it with this config or use kl_ctrl.type=fixed"
-        )
-    controller = make_kl_controller("adaptive", kl_coef=beta, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
-    controller.update(float(kl.mean()), n_steps=len(previous))
-    return float(controller.value)
-
-
-def uses_adaptive_kl(cfg: RunConfig) -> bool:
-    """KL in the reward with the adaptive controller: beta of iteration N follows from iteration N-1's table."""
-    return bool(cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type == "adaptive")
-
-
-def iteration_advantages(
-    cfg: RunConfig,
-    scored: pd.DataFrame,
-    *,
-    values: pd.DataFrame | None = None,
-    ref: pd.DataFrame | None = None,
-    previous: pd.DataFrame | None = None,
-    old: pd.DataFrame | None = None,
-    teacher: pd.DataFrame | None = None,
-) -> tuple[pd.DataFrame, int]:
-    """The `advantages` stage: (the iteration's advantages table, rollouts dropped as flagged).
-
-    Rollouts the reward stage flagged (reward.on_error='flag') are dropped, DAPO's group filter keeps the
-    first train_batch_size groups with reward spread (algorithm.filter_groups), then algorithm.adv_estimator
-    runs. values: the iteration's `values` (GAE); ref: its `ref_logprobs` (KL in the reward); previous: the
-    previous iteration's advantages (the adaptive KL controller's state); old: its `old_logprobs` (the actor's
-    log-probs: KL in the reward, the update's ratio denominator, the engine-vs-trainer gap columns); teacher: its
-    `teacher_logprobs` (on-policy distillation, algorithm.distillation)."""
-    dropped = 0
-    if cfg.reward.on_error == "flag":
-        scored, dropped = drop_flagged_rollouts(scored)
-    kept = select_training_groups(
-        scored, cfg.algorithm.filter_groups, need_groups=cfg.data.train_batch_size, correct_score=cfg.reward.score
-    )
-    kl_coef = kl_coef_for_iteration(cfg.algorithm, previous) if cfg.algorithm.use_kl_in_reward else None
-    kw = {"values": values, "ref": ref, "kl_coef": kl_coef, "old": old, "teacher": teacher}
-    return compute_advantage_table(kept, cfg.algorithm, **kw), dropped
+def stream_advantages(
+    cfg: RunConfig, up: Upstream, target_uri: str, *, lineage, batch_rows: int | None = None
+) -> AdvantageRun:
+    """The `advantages` stage (stages.advantage_table.iteration_advantages' rows, order and values) over partition
+    handles, written to the table at `target_uri` with ONE commit carrying `lineage` (a mapping or a function
+    called once the files are written); the step holds per-row scalars (or the (N, L) tensors), never a whole
+    partition's token lists as Python objects."""
+    kept, baselines, dropped = selected_rows(cfg, read_scalars(up.scored, batch_rows))
+    if (np.diff(kept["_pos"].to_numpy()) <= 0).any():  # kept order != stream order: see the module docstring
+        return whole_frame(cfg, up, target_uri, lineage=lineage)
+    joins = joins_of(cfg, up)
+    alg = cfg.algorithm
+    previous = up.previous.read(["kl_coef", "reward_kl"]) if up.previous is not None else None
+    kl_coef = kl_coef_for_iteration(alg, previous) if alg.use_kl_in_reward else None
+    joined = {w: join(getattr(up, w), w, kept, batch_rows) for w in joins}
+    if per_row_path(alg):  # the common case: per-row scalars, no (N, L) tensor
+        out = row_advantages(cfg, kept, model_token_counts(up.scored, kept, batch_rows))
+    else:
+        width = max(1, int(kept["response_length"].to_numpy(dtype=np.int64).max(initial=0)))
+        engine_lp = "old" not in joined and (alg.use_kl_in_reward or alg.distillation.enable)
+        mask, lp = scored_dense(up.scored, kept, width, engine_lp, batch_rows)
+        out = dense_advantages(cfg, kept, baselines, joined, mask, lp, kl_coef)
+    s, firsts = up.scored, []
+    frames = output_frames(cfg, s, kept, joined, out, firsts, batch_rows)
+    version = write_frames(frames, target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
+    summary = pd.DataFrame({"group_id": kept["group_id"].to_numpy(), "advantage": np.concatenate(firsts)})
+    summary = summary.assign(kl_coef=out.cols["kl_coef"], teacher_kl=out.cols["teacher_kl"])
+    return AdvantageRun(version, summary, dropped, "streamed")

@@ -99,7 +99,7 @@ ITERATION: tuple[Stage, ...] = (
           table=True,  timing="timing_s/scored_rollouts"),
     Stage("values",            "stages.values",        ("scored_rollouts",),  # reads the rollouts table
           table=True,                                     when=uses_critic),
-    Stage("advantages",        "stages.advantages",     ("scored_rollouts", "rollouts", "values", "ref_logprobs",
+    Stage("advantages",        "stages.advantage_table",     ("scored_rollouts", "rollouts", "values", "ref_logprobs",
                                                         "teacher_logprobs", "old_logprobs"),
           table=True,  timing="timing_s/advantages"),
     Stage("policy_checkpoint", "stages.policy_checkpoint",        ("advantages",),

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
-from stages.advantage_stream import join
+from stages.advantages import join
 from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.algos.val_metrics import process_validation_metrics, val_metric_names
@@ -312,7 +312,7 @@ def streamed_critic_data_metrics(
     advantages: Partition, values: Partition, batch_rows: int | None = None
 ) -> dict[str, float]:
     """critic_data_metrics of the two partitions, streamed: the values joined to the advantages rows by rollout_id
-    (stages.advantage_stream.join: a merge join, record batch by record batch), the counted tokens of each batch
+    (stages.advantages.join: a merge join, record batch by record batch), the counted tokens of each batch
     merged into CriticDataMoments. Never a whole list column in memory."""
     ids, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for batch in advantages.record_batches(["rollout_id", "token_advantages"], batch_rows):

@@ -420,7 +420,7 @@ def test_reward_flagged_rows_are_kept_and_training_continues_without_them(broken
     """on_error=flag: every row stays in scored_rollouts, the bad ones with reward NaN + reward_error; the
     advantages asset drops them and trains on the rest (the advantage math itself refuses NaN rewards)."""
     from configs.schema import AlgorithmConfig, RewardConfig
-    from stages.advantages import compute_advantage_table, drop_flagged_rollouts
+    from stages.advantage_table import compute_advantage_table, drop_flagged_rollouts
     from stages.scored_rollouts import score_rollouts
 
     scored = score_rollouts(

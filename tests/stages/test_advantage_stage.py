@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from configs.schema import AlgorithmConfig
-from stages.advantages import compute_advantage_table
+from stages.advantage_table import compute_advantage_table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_rollouts import scored_rows

@@ -1,5 +1,5 @@
-"""The advantages stage streamed (#36, stages/advantage_stream.py) writes the table the whole-frame computation
-(stages.advantages.iteration_advantages) writes, row for row and bit for bit, for every estimator and option, at
+"""The advantages stage streamed (#36, stages/advantages.py) writes the table the whole-frame computation
+(stages.advantage_table.iteration_advantages) writes, row for row and bit for bit, for every estimator and option, at
 batch sizes that split groups. Real Delta tables under tmp_path."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from deltalake import write_deltalake
 
 from configs.schema import AlgorithmConfig, DistillationConfig, FilterGroupsConfig, KLControlConfig
-from stages.advantage_stream import Upstream, stream_advantages
-from stages.advantages import iteration_advantages
+from stages.advantage_table import iteration_advantages
+from stages.advantages import Upstream, stream_advantages
 from stages.io import store
 from stages.io.stage_exec import Partition, write_frames
 from stages.scored_tokens import ScoredRollouts

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from configs.schema import AlgorithmConfig, CriticConfig, OptimConfig, load_config
-from stages.advantages import compute_advantage_table
+from stages.advantage_table import compute_advantage_table
 from stages.algos.gae import compute_gae_advantages
 from stages.algos.value import compute_value_loss
 from stages.io.checkpoints import ModelStore

@@ -1,6 +1,6 @@
 """The Dagster steps' memory on the reward -> advantages path does not grow with the partition (#36):
 scored_rollouts streams the rollouts partition through the stage executor (stages/io/stage_exec.py), and the
-advantages step streams scored_rollouts and joins old_logprobs batch by batch (stages/advantage_stream.py)
+advantages step streams scored_rollouts and joins old_logprobs batch by batch (stages/advantages.py)
 instead of reading them whole.
 
 Real Delta tables under tmp_path; each measurement runs in a fresh subprocess (ru_maxrss only ever grows, so a
@@ -88,7 +88,7 @@ def test_reward_and_advantages_steps_peak_rss_does_not_grow_with_the_partition(t
     small, large = _measure(tables, 0), _measure(tables, 1)
     # Streamed, each step holds one batch (BATCH_ROWS = 1000 in the child) in and out, whatever the partition's
     # size, so 1k and 20k rows peak alike: measured 0 MB above the warm-up's peak at both sizes for the two steps.
-    # The advantages step on the whole frame instead (stages.advantage_stream.whole_frame, what it was before it
+    # The advantages step on the whole frame instead (stages.advantages.whole_frame, what it was before it
     # streamed) made the same child grow 0 MB at 1k and 992 MB at 20k; the reward step read whole (read_partition
     # + score_rollouts + write_partition) grew 242 MB at 20k on its own. The bound, 1.5x the 1k growth plus 40 MB
     # (pyarrow's pool keeping freed buffers, one-off caches), passes the streamed steps and fails either whole one.
@@ -99,7 +99,7 @@ def _child(tables: str, iteration: int) -> None:
     """Score the warm-up partition and compute its advantages, then `iteration`'s, as the scored_rollouts and
     advantages assets do; print the peak RSS growth."""
     from configs.schema import RewardConfig, RunConfig
-    from stages.advantage_stream import Upstream, stream_advantages
+    from stages.advantages import Upstream, stream_advantages
     from stages.io import stage_exec
     from stages.scored_rollouts import score_partition
     from stages.scored_tokens import ScoredRollouts

@@ -150,7 +150,7 @@ def _kl_scored() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def test_kl_in_reward_hand_derived() -> None:
     from configs.schema import AlgorithmConfig, KLControlConfig
-    from stages.advantages import compute_advantage_table
+    from stages.advantage_table import compute_advantage_table
 
     scored, ref = _kl_scored()
     cfg = AlgorithmConfig(
@@ -171,7 +171,7 @@ def test_kl_in_reward_hand_derived() -> None:
 
 def test_kl_in_reward_without_ref_is_a_clear_error() -> None:
     from configs.schema import AlgorithmConfig
-    from stages.advantages import compute_advantage_table
+    from stages.advantage_table import compute_advantage_table
 
     scored, ref = _kl_scored()
     with pytest.raises(ValueError, match="needs the iteration's ref_logprobs table"):
@@ -182,7 +182,7 @@ def test_kl_in_reward_without_ref_is_a_clear_error() -> None:
 
 def test_adaptive_kl_coef_follows_from_the_previous_iterations_stored_kl() -> None:
     from configs.schema import AlgorithmConfig, KLControlConfig
-    from stages.advantages import kl_coef_for_iteration
+    from stages.advantage_table import kl_coef_for_iteration
 
     ctrl = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=10)
     cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=ctrl)

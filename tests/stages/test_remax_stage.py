@@ -13,7 +13,7 @@ from configs.schema import (
     RolloutConfig,
     load_config,
 )
-from stages.advantages import compute_advantage_table, drop_flagged_rollouts
+from stages.advantage_table import compute_advantage_table, drop_flagged_rollouts
 from stages.filter_groups import select_training_groups
 from stages.iteration_metrics import rollout_metrics
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configs.schema import ActorConfig, AlgorithmConfig, CriticConfig, OptimConfig
-from stages.advantages import compute_advantage_table
+from stages.advantage_table import compute_advantage_table
 from stages.algos.advantages import outcome_to_token_rewards
 from stages.io.store import to_arrow
 from stages.models.policy import load_policy

@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from configs.schema import ActorConfig, AlgorithmConfig, OptimConfig, RolloutCorrectionConfig, load_config
-from stages.advantages import compute_advantage_table
+from stages.advantage_table import compute_advantage_table
 from stages.models.policy import load_policy
 from stages.train.actor import compute_logprobs, ppo_update
 from stages.train.batching import actor_batch

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from configs.schema import AlgorithmConfig, DistillationConfig, load_config
-from stages.advantages import compute_advantage_table
+from stages.advantage_table import compute_advantage_table
 from stages.dag import iteration_stages
 from stages.ref_logprobs import compute_ref_logprobs
 from stages.teacher_logprobs import TEACHER_ROLE, check_same_tokenizer, teacher_dir, teacher_logprobs
