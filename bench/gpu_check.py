@@ -37,6 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import distributions
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from configs.schema import RunConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -212,7 +216,7 @@ def section_rollout(args: argparse.Namespace, engine: str) -> list[dict]:
     return [{"check": f"rollout tokens/s, {engine}", "result": f"{tokens / seconds:,.0f}", "detail": detail}]
 
 
-def _iteration_tables(cfg, run_id: str) -> tuple[dict[str, float], list[int]]:
+def _iteration_tables(cfg: RunConfig, run_id: str) -> tuple[dict[str, float], list[int]]:
     """The iteration's metrics (iteration_metrics table) and the real token count of each rollout."""
     from pipelines.resources import tables_root
     from stages.io.store import read_partition
@@ -306,7 +310,7 @@ def measured_peak_tflops(device, n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / host / 1e12
 
 
-def _pass_rows(cfg, tok, seed: int = 0) -> dict:
+def _pass_rows(cfg: RunConfig, tok, seed: int = 0) -> dict:
     """The GPU config's batch: data.train_batch_size prompts x rollout.n responses of random tokens, lengths uniform
     in [L/4, L], with GRPO-like advantages."""
     import torch
@@ -377,7 +381,7 @@ def _pass_row(name, host, dev, flops, peak, nominal, tokens, pad, mode) -> dict:
     return {"check": f"{name}, host s", "result": f"{host:.2f}", "detail": detail}
 
 
-def _timed_update(model, cfg, rows, old, mode, budget, pad_id, device) -> tuple[float, float | None]:
+def _timed_update(model, cfg: RunConfig, rows, old, mode, budget, pad_id, device) -> tuple[float, float | None]:
     """(host s, device s) of ppo_update of the config's actor at bf16 with `old` log-probs, padded or packed."""
     from stages.train.actor import ppo_update
     from stages.train.optim import make_optimizer
@@ -395,7 +399,7 @@ def _timed_update(model, cfg, rows, old, mode, budget, pad_id, device) -> tuple[
     return host, dev
 
 
-def _scoring_row(cfg, tok, rows) -> dict:
+def _scoring_row(cfg: RunConfig, tok, rows) -> dict:
     """Host seconds of scoring the batch's responses with the config's reward (the scored_rollouts stage's work)."""
     import pandas as pd
 

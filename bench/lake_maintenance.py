@@ -30,6 +30,7 @@ import scale  # bench/scale.py: the run, the frames, the DAG's tables
 
 from assets.common import lineage, write_table
 from assets.resources import RolloutStoreResource
+from configs.schema import RunConfig
 from stages.io import dataset_io, sql
 from stages.io import store as delta
 from stages.io.maintenance import maintain_tables
@@ -37,7 +38,7 @@ from stages.io.maintenance import maintain_tables
 QUERY = "SELECT metric, avg(value) FROM iteration_metrics GROUP BY metric"
 
 
-def write_blocks(store, cfg, table: str, frame: pd.DataFrame, it: int, blocks: int, up: dict) -> int:
+def write_blocks(store, cfg: RunConfig, table: str, frame: pd.DataFrame, it: int, blocks: int, up: dict) -> int:
     """Partition (RUN, it) of `table` as `blocks` Parquet files and one commit with the stage's lineage."""
     uri = store.uri(table)
     files = pd.concat(
@@ -52,7 +53,7 @@ def write_blocks(store, cfg, table: str, frame: pd.DataFrame, it: int, blocks: i
     )
 
 
-def grow(store, cfg, n: int, blocks: int) -> dict[int, dict[str, int]]:
+def grow(store, cfg: RunConfig, n: int, blocks: int) -> dict[int, dict[str, int]]:
     """n iterations of every table of the DAG; returns each iteration's versions (what the lineage records)."""
     frames = {t: scale.small_frame(t) for t in scale.ITER_TABLES}
     write_table(store, cfg, "prompts", scale.small_frame("prompts", 64), -1, policy_version=None, upstream={})

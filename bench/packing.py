@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bf16_update import cpu_facts, make_rows
 
-from configs.schema import load_config
+from configs.schema import RunConfig, load_config
 from stages.models.policy import load_policy
 from stages.models.smollm2 import resolve_model_path
 from stages.train.actor import compute_logprobs, ppo_update
@@ -49,7 +49,7 @@ def timed(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_mode(model_dir: str, cfg, rows: dict, mode: str, args) -> dict:
+def run_mode(model_dir: str, cfg: RunConfig, rows: dict, mode: str, args) -> dict:
     """Log-prob pass + update of a fresh load with use_dynamic_bsz off (padded) or on (packed)."""
     n_samples = args.samples or cfg.rollout.n
     mini = min(cfg.actor.ppo_mini_batch_size, len(rows["response_token_ids"]) // n_samples)

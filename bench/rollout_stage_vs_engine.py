@@ -31,6 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from configs.schema import RunConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,7 +58,7 @@ def run_config(args: argparse.Namespace):
     return load_config(CONFIG, overrides)
 
 
-def prompt_batch(cfg, model_dir: str, work: Path):
+def prompt_batch(cfg: RunConfig, model_dir: str, work: Path):
     """The first data.train_batch_size word problems of the config's task, as a prompt_batches partition."""
     import pandas as pd
 
@@ -74,7 +78,7 @@ def prompt_batch(cfg, model_dir: str, work: Path):
 class BareHF:
     """HF `generate` called directly, in the stage's micro-batches (rollout.micro_batch_size sequences)."""
 
-    def __init__(self, model_dir: str, cfg) -> None:
+    def __init__(self, model_dir: str, cfg: RunConfig) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,7 +117,7 @@ class BareVLLM:
     """vLLM's `LLM.generate` called directly, built with the engine's settings (float32, eager, max_num_seqs =
     rollout.micro_batch_size, 1 GiB KV cache, engine core in this process)."""
 
-    def __init__(self, model_dir: str, cfg) -> None:
+    def __init__(self, model_dir: str, cfg: RunConfig) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
@@ -147,7 +151,7 @@ class BareVLLM:
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
-def stage_call(batch, model_dir: str, cfg, iteration: int) -> tuple[int, float, dict]:
+def stage_call(batch, model_dir: str, cfg: RunConfig, iteration: int) -> tuple[int, float, dict]:
     """One call of the rollouts stage's work (sample_rollouts): (tokens, seconds, the worker's own timings)."""
     from stages.rollouts import sample_rollouts
     from stages.workers.sharded import shard_frames

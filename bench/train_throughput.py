@@ -19,12 +19,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.io.ports import free_port
+
+if TYPE_CHECKING:
+    from configs.schema import ActorConfig
 
 # name -> (backend, world, threads per process, tp, pp)
 CONFIGS = {
@@ -62,7 +66,7 @@ def _take(rows: dict, idx: list[int]) -> dict:
     }
 
 
-def _setup_torch(hf, actor_cfg, world: int):
+def _setup_torch(hf, actor_cfg: ActorConfig, world: int):
     from torch.nn.parallel import DistributedDataParallel
 
     from stages.train.actor import ppo_update
@@ -73,7 +77,7 @@ def _setup_torch(hf, actor_cfg, world: int):
     return lambda rows, npp: ppo_update(hf, opt, sched, rows, actor_cfg, n_per_prompt=npp, pad_id=0, ddp_model=ddp)
 
 
-def _setup_megatron(hf, actor_cfg, tp: int, pp: int):
+def _setup_megatron(hf, actor_cfg: ActorConfig, tp: int, pp: int):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from configs.schema import FilterGroupsConfig
 from stages.algos.dapo import filter_groups_by_variance
 
 
@@ -76,7 +77,9 @@ def generate_until_full(
     )
 
 
-def select_training_groups(scored: pd.DataFrame, filter_cfg, *, need_groups: int, correct_score: float) -> pd.DataFrame:
+def select_training_groups(
+    scored: pd.DataFrame, filter_cfg: FilterGroupsConfig, *, need_groups: int, correct_score: float
+) -> pd.DataFrame:
     """The rows of the first `need_groups` groups that pass the filter (all rows when it is off)."""
     if not filter_cfg.enable:
         return scored

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from configs.schema import ModelConfig, TinyModelConfig
 from stages.data.custom_reward import parse_extra_info
 from stages.data.tool_arith import CALCULATOR, TOOL_ARITH_SOURCE, hermes_tool_call
 from stages.io.checkpoints import writing
@@ -29,7 +30,9 @@ def tool_demo(tok, expression: str, answer: str, *, opens: bool = True) -> list[
     ]
 
 
-def warmstart_examples(tiny_cfg, tok, train_prompts: pd.DataFrame) -> list[tuple[list[dict], str | list[Segment]]]:
+def warmstart_examples(
+    tiny_cfg: TinyModelConfig, tok, train_prompts: pd.DataFrame
+) -> list[tuple[list[dict], str | list[Segment]]]:
     """(messages, response) warm-start examples: per train prompt one answer in each warmstart_answer_formats
     format (a format listed k times, k rows: the model learns the formats' shares on every prompt, not which
     prompt had which; with one format, one row), except for rlake/tool_arith rows. Those show the calculator
@@ -63,7 +66,7 @@ def warmstart_examples(tiny_cfg, tok, train_prompts: pd.DataFrame) -> list[tuple
     return examples
 
 
-def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> tuple:
+def _warmstarted_tiny(model_cfg: ModelConfig, train_prompts: pd.DataFrame, *, seed: int) -> tuple:
     """(model, tokenizer, warm-start metadata) of the tiny model after its SFT on the train prompts."""
     tok = build_char_tokenizer(tool_tokens=model_cfg.tiny.tool_tokens)
     model = build_tiny_model(model_cfg.tiny, len(tok), seed=seed)
@@ -80,7 +83,12 @@ def _warmstarted_tiny(model_cfg, train_prompts: pd.DataFrame, *, seed: int) -> t
 
 
 def create_initial_policy(
-    model_cfg, train_prompts: pd.DataFrame, out_dir: str | Path, *, seed: int, extra_files: dict[str, str] | None = None
+    model_cfg: ModelConfig,
+    train_prompts: pd.DataFrame,
+    out_dir: str | Path,
+    *,
+    seed: int,
+    extra_files: dict[str, str] | None = None,
 ) -> dict:
     """Write policy version 0 (+ extra_files, e.g. its trainer_state.json) to out_dir: committed for a
     checkpoint_target, else a directory written whole or not at all; returns metadata (params, warm-start loss)."""

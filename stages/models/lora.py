@@ -24,6 +24,7 @@ from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 
+from configs.schema import LoraConfig
 from stages.io.checkpoints import resolve_model_dir
 from stages.models.fingerprint import fingerprint_checkpoint
 from stages.models.policy import load_policy
@@ -36,7 +37,7 @@ INIT_SEED = 0
 ADAPTER = "default"
 
 
-def apply_lora(model, lora_cfg) -> PeftModel:
+def apply_lora(model, lora_cfg: LoraConfig) -> PeftModel:
     """`model` wrapped in fresh LoRA adapters (B = 0) per actor.lora; only the adapters require grad."""
     cfg = PeftLoraConfig(
         r=lora_cfg.rank,
@@ -126,7 +127,7 @@ def _find_base(ckpt_dir: Path, base: dict) -> Path:
     )
 
 
-def _check_matches(ckpt_dir: Path, lora_cfg) -> None:
+def _check_matches(ckpt_dir: Path, lora_cfg: LoraConfig) -> None:
     """A LoRA checkpoint resumes only under the adapter shape it was trained with."""
     saved = json.loads((ckpt_dir / LORA_DIR / "adapter_config.json").read_text())
     targets = saved["target_modules"]
@@ -140,7 +141,7 @@ def _check_matches(ckpt_dir: Path, lora_cfg) -> None:
         )
 
 
-def load_lora_policy(policy_dir: str | Path, lora_cfg):
+def load_lora_policy(policy_dir: str | Path, lora_cfg: LoraConfig):
     """(peft model, tokenizer, base record) for training from the checkpoint policy_dir (path or reference):
     its base + its adapter when it is a LoRA checkpoint, else policy_dir itself + fresh adapters."""
     local = resolve_model_dir(policy_dir)

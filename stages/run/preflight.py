@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs.schema import RunConfig
+from configs.schema import ModelConfig, RunConfig
 from stages.data.custom_reward import parse_extra_info, read_custom_reward
 from stages.models.policy import load_tokenizer
 from stages.models.tiny import build_char_tokenizer
@@ -30,7 +30,7 @@ from stages.teacher_logprobs import check_teacher_tokenizer, teacher_dir
 from stages.workers.connect import check_cluster_auth
 
 
-def preflight_tokenizer(model_cfg):
+def preflight_tokenizer(model_cfg: ModelConfig):
     """The tokenizer the run will use, without loading weights (None when it is built later, e.g. a GGUF)."""
     if model_cfg.path == "tiny":
         return build_char_tokenizer(tool_tokens=model_cfg.tiny.tool_tokens)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from configs.schema import RunConfig
+from configs.schema import ModelConfig, RunConfig
 from stages import seeds
 from stages.io import objects, uris
 from stages.io.checkpoints import ModelStore, atomic_write_text
@@ -217,7 +217,7 @@ def check_trainer_state(state: dict | None, cfg: RunConfig, policy_dir: Path, ve
         )
 
 
-def expected_model_signature(model_cfg) -> dict | None:
+def expected_model_signature(model_cfg: ModelConfig) -> dict | None:
     """architectures / vocab / width / depth the run's model has (None when it cannot be known cheaply)."""
     if model_cfg.path == "tiny":
         t = model_cfg.tiny
@@ -254,7 +254,7 @@ def check_causal_lm_dir(path: str | Path, *, what: str) -> dict:
     return conf
 
 
-def check_architecture(ckpt_dir: str | Path, model_cfg) -> None:
+def check_architecture(ckpt_dir: str | Path, model_cfg: ModelConfig) -> None:
     """The checkpoint must be the run's model architecture (else loading it would fail or mis-train)."""
     conf = check_causal_lm_dir(ckpt_dir, what="checkpoint")
     want = expected_model_signature(model_cfg)

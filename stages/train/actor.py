@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from configs.schema import ActorConfig
 from stages.algos.losses import GlobalBatch, gather_logprobs
 from stages.train.batching import actor_batch, model_device, response_logits, select_rows, to_device
 from stages.train.optim import ACTOR_GRAD_ERROR, clip_grads
@@ -96,7 +97,7 @@ def ppo_update(
     optimizer,
     scheduler,
     rows: dict,
-    actor_cfg,
+    actor_cfg: ActorConfig,
     *,
     n_per_prompt: int,
     pad_id: int,

@@ -35,6 +35,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
+from configs.schema import CriticConfig
 from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.losses import GlobalBatch
 from stages.io.checkpoints import OPTIMIZER_FILE, checkpoint_target, resolve_model_dir, save_optimizer_state, writing
@@ -210,7 +211,7 @@ def values_frame(
 
 
 def critic_update(
-    model, optimizer, scheduler, rows: dict, critic_cfg, *, n_per_prompt: int, pad_id: int, seed: int = 0
+    model, optimizer, scheduler, rows: dict, critic_cfg: CriticConfig, *, n_per_prompt: int, pad_id: int, seed: int = 0
 ) -> dict[str, float]:
     """One iteration's critic optimization (single process) through the PPO loop (stages.train.ppo_loop).
 
@@ -282,7 +283,7 @@ def run_critic_update(
     critic_dir: str | Path,
     out_dir: str | Path,
     rows: dict,
-    critic_cfg,
+    critic_cfg: CriticConfig,
     *,
     n_per_prompt: int,
     seed: int,

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
+from configs.schema import OptimConfig
 from stages.train.optim import make_optimizer, restore_optimizer
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -106,7 +107,7 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     set_optimizer_state_dict(model, optimizer, by_name, options=FULL)
 
 
-def shard_policy(model: torch.nn.Module, optim_cfg, ckpt_dir: str | Path, *, bf16_compute: bool = False):
+def shard_policy(model: torch.nn.Module, optim_cfg: OptimConfig, ckpt_dir: str | Path, *, bf16_compute: bool = False):
     """(sharded model, optimizer, scheduler) of an HF policy loaded whole on every rank, with the optimizer
     state stored beside ckpt_dir (none at version 0); bf16_compute: shard_model's. Collective: every rank
     calls it."""

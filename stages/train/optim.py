@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from configs.schema import OptimConfig
 from stages.io.checkpoints import load_optimizer_state, save_optimizer_state
 from stages.train.master import MasterAdamW
 
@@ -33,7 +34,7 @@ CRITIC_GRAD_ERROR = (
 
 
 def make_optimizer(
-    model, optim_cfg, master_weights: str = "autocast"
+    model, optim_cfg: OptimConfig, master_weights: str = "autocast"
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the parameters that require grad (all of them, or a LoRA policy's adapters alone) and a
     LambdaLR scheduler ramping linearly over lr_warmup_steps steps. master_weights

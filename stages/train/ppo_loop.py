@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from configs.schema import RolloutCorrectionConfig
+from configs.schema import ActorConfig, CriticConfig, RolloutCorrectionConfig
 from stages.algos.kl import compute_kl_penalty
 from stages.algos.losses import GlobalBatch, aggregate_loss, entropy_from_logits, gather_logprobs, get_policy_loss_fn
 from stages.algos.rollout_is import batch_normalize_weights, compute_rollout_correction, rollout_is_norm_terms
@@ -217,7 +217,7 @@ def apply_rollout_correction(
     return metrics
 
 
-def clip_bounds(actor_cfg) -> tuple[float, float]:
+def clip_bounds(actor_cfg: ActorConfig) -> tuple[float, float]:
     """(clip_ratio_low, clip_ratio_high), each defaulting to actor.clip_ratio."""
     low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
@@ -225,7 +225,7 @@ def clip_bounds(actor_cfg) -> tuple[float, float]:
 
 
 def actor_loss(
-    logits: Tensor, mb: dict, actor_cfg, global_batch: GlobalBatch | None = None
+    logits: Tensor, mb: dict, actor_cfg: ActorConfig, global_batch: GlobalBatch | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy loss of one micro-batch from its response logits (n_mb, L, V), already divided by the
     rollout temperature: actor_loss_terms of their log-probs of mb["responses"] and their entropy."""
@@ -235,7 +235,7 @@ def actor_loss(
 
 
 def actor_loss_terms(
-    logprobs: Tensor, entropy: Tensor, mb: dict, actor_cfg, global_batch: GlobalBatch | None = None
+    logprobs: Tensor, entropy: Tensor, mb: dict, actor_cfg: ActorConfig, global_batch: GlobalBatch | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy loss of one micro-batch from the log-probs of its response tokens and the entropy at each,
     (n_mb, L) each (any value where response_mask is 0; a packed forward gives 0 there, stages.train.packing):
@@ -272,7 +272,7 @@ def actor_loss_terms(
 
 
 def critic_loss(
-    vpreds: Tensor, mb: dict, critic_cfg, global_batch: GlobalBatch | None = None
+    vpreds: Tensor, mb: dict, critic_cfg: CriticConfig, global_batch: GlobalBatch | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped value loss of one micro-batch: vpreds (n_mb, L) against mb's returns, clipped around
     its rollout-time old_values (stages.algos.value), aggregated with critic.loss_agg_mode over

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from configs.schema import ActorConfig
 from stages.algos.losses import gather_logprobs
 from stages.train.batching import actor_batch, model_device, select_rows, tempered, to_device
 from stages.train.megatron.convert import tp_partition_dim
@@ -144,7 +145,12 @@ def finish_grads(model, named_params: list[tuple[str, Tensor]], *, tied: bool, c
 
 
 def _prepare_batch(
-    rows: dict, actor_cfg, pad_id: int, device: torch.device | str = "cpu", *, rollout_logprobs: bool = False
+    rows: dict,
+    actor_cfg: ActorConfig,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    *,
+    rollout_logprobs: bool = False,
 ) -> dict:
     """The torch backend's batch (stages.train.batching.actor_batch, with the engine's rollout_logprobs when
     rollout_logprobs) plus megatron's 4-D attention mask, every tensor on `device` (the model stage's)."""
@@ -174,7 +180,7 @@ def megatron_ppo_update(
     optimizer,
     scheduler,
     rows: dict,
-    actor_cfg,
+    actor_cfg: ActorConfig,
     *,
     vocab_size: int,
     tied: bool,
