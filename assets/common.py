@@ -20,8 +20,6 @@ from stages.io import store
 from stages.io.checkpoints import checkpoint_row
 from stages.io.stage_exec import Partition, partition_rows
 from stages.io.tables import PROMPTS_ITERATION
-from stages.workers.shard_io import ShardResult, Sink
-from stages.workers.sharded import commit_shards
 
 runs = dg.DynamicPartitionsDefinition(name="run")
 """One partition per rlake run id (set-up assets; the `run` dimension of run_iterations)."""
@@ -29,11 +27,6 @@ iterations = dg.DynamicPartitionsDefinition(name="iteration")
 """Iteration numbers "0", "1", ... (the `iteration` dimension of run_iterations)."""
 run_iterations = dg.MultiPartitionsDefinition({"run": runs, "iteration": iterations})
 """The iteration assets' partitions: (run id, iteration)."""
-
-DATA = "DATA"
-ROLLOUT = "ROLLOUT"
-TRAIN = "TRAIN"
-EVAL = "EVAL"
 
 
 def partition_key(run_id: str, iteration: int) -> dg.MultiPartitionKey:
@@ -269,23 +262,3 @@ def timed():
         yield box
     finally:
         box["s"] = time.perf_counter() - t0
-
-
-def model_logprob_table(
-    context, cfg: RunConfig, rollout_store, model_store, ray, *, table: str, model_version: int, compute
-) -> tuple[list[ShardResult], int, float]:
-    """The body of the assets that run a checkpoint over an iteration's rollouts (ref_logprobs, old_logprobs,
-    teacher_logprobs): the rollouts partition at its recorded version as a handle, policy version
-    `model_version` of the run required, compute(cfg, partition, model_dir, sink) on Ray (each rank reads its slice
-    and writes its rows: stages/workers/sharded.py), then ONE commit of `table` with the rollouts as upstream.
-    Returns (the ranks' results, the new Delta version, seconds of compute and writes)."""
-    it = iteration_of(context)
-    source = upstream_partition(context, rollout_store, "rollouts", cfg.run_id, it)
-    model_dir = model_store.for_run(cfg.run_id).require(model_version, needed_by=f"{table} of iteration {it}")
-    ray.ensure()
-    sink = Sink(rollout_store.uri(table), table, cfg.run_id, it)
-    t0 = time.perf_counter()
-    results = compute(cfg, source, model_dir, sink)
-    seconds = time.perf_counter() - t0
-    meta = lineage(cfg, stage=table, policy_version=it, upstream={"rollouts": source.version}, duration_s=seconds)
-    return results, commit_shards(sink, results, meta), seconds

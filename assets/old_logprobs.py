@@ -1,56 +1,22 @@
-"""The actor's recomputed log-probs of each iteration's rollouts (verl's compute_log_prob -> old_log_prob)."""
+"""The old_logprobs asset: the actor's recomputed log-probs of the rollouts (verl's compute_log_prob ->
+old_log_prob; stages/old_logprobs.py)."""
 
 import dagster as dg
 
-from assets.common import TRAIN, asset_deps, check_spec, data_version, iteration_of, model_logprob_table, run_iterations
-from assets.resources import ModelStoreResource, RayResource, RolloutStoreResource, RunConfigResource
-from stages.old_logprobs import old_logprobs_gap, policy_old_logprobs
+from assets.stage_assets import StageRun
+from stages.old_logprobs import old_logprobs_gap
 
 
-@dg.asset(
-    partitions_def=run_iterations,
-    group_name=TRAIN,
-    kinds={"ray", "pytorch", "delta"},
-    deps=asset_deps("old_logprobs"),
-    check_specs=[
-        check_spec(
-            "rollout_probs_diff_within_limit",
-            asset="old_logprobs",
-            blocking=False,
-            description="training/rollout_probs_diff_mean <= trainer.max_rollout_probs_diff_mean (warn; null: off)",
-        )
-    ],
-)
-def old_logprobs(
-    context: dg.AssetExecutionContext,
-    run_config: RunConfigResource,
-    rollout_store: RolloutStoreResource,
-    model_store: ModelStoreResource,
-    ray: RayResource,
-) -> dg.MaterializeResult:
+def materialize(run: StageRun) -> dg.MaterializeResult:
     """Per-token log-probs of every response under the policy being updated (version == iteration; with
     trainer.async_mode=one_step_off the rollouts were sampled by the version before it), on the actor workers,
     which keep that policy resident for the update; and their gap to the engine's."""
-    cfg, it = run_config.load(), iteration_of(context)
-    results, v, seconds = model_logprob_table(
-        context,
-        cfg,
-        rollout_store,
-        model_store,
-        ray,
-        table="old_logprobs",
-        model_version=it,
-        compute=policy_old_logprobs,
-    )
+    cfg, it = run.cfg, run.iteration
+    results, v, seconds = run.model_pass(it)
     gap = old_logprobs_gap(results)  # over every rollout (ReMax baselines too), merged from the ranks' moments
     rows = sum(r.rows for r in results)
-    return dg.MaterializeResult(
-        metadata={"delta_version": v, "rollouts": rows, "policy_version": it, "old_s": seconds, **gap},
-        data_version=data_version("old_logprobs", v),
-        check_results=[
-            probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean, lag=it - cfg.trainer.rollout_version(it))
-        ],
-    )
+    check = probs_gap_check(gap, cfg.trainer.max_rollout_probs_diff_mean, lag=it - cfg.trainer.rollout_version(it))
+    return run.result(v, {"rollouts": rows, "policy_version": it, "old_s": seconds, **gap}, [check])
 
 
 def probs_gap_check(gap: dict[str, float], limit: float | None, *, lag: int = 0) -> dg.AssetCheckResult:

@@ -46,9 +46,9 @@ import pyarrow as pa
 import ray
 
 from assets.common import lineage, write_table
+from assets.iteration_metrics import stage_timings
 from assets.resources import _MLFLOW_RUNS, RolloutStoreResource, TrackerResource, resolve_run_config
-from assets.scoring import SUMMARY, reward_metadata
-from assets.training import stage_timings
+from assets.scored_rollouts import SUMMARY, reward_metadata
 from configs.schema import RunConfig
 from stages.advantages import Upstream, stream_advantages
 from stages.io import sql
@@ -160,7 +160,7 @@ def read_at_recorded(store, table: str, it: int):
 
 
 def reward_step(cfg: RunConfig, store, clock: Clock) -> None:
-    """The scored_rollouts step as assets/scoring.py score_streaming runs it: the stage executor (streamed in
+    """The scored_rollouts step as assets/scored_rollouts.py score_streaming runs it: the stage executor (streamed in
     this process, Ray Data from ray.data_min_rows rows), then the metadata from the SUMMARY columns."""
     with clock("reward.read"):  # the recorded version only: the executor reads the rows batch by batch
         up = {"rollouts": recorded_at(store, "rollouts", 0)}
@@ -181,7 +181,7 @@ def reward_step(cfg: RunConfig, store, clock: Clock) -> None:
 
 
 def steps(root: Path) -> dict:
-    """The scored_rollouts, advantages and iteration_metrics steps (assets/scoring.py, assets/training.py) in one
+    """The scored_rollouts, advantages and iteration_metrics steps (assets/scored_rollouts.py, assets/advantages.py, assets/iteration_metrics.py) in one
     process, as the in_process executor runs them; seconds per part and the peak RSS after each step."""
     out = {"driver_baseline_rss_mb": peak_mb(now=True)}
     (cfg, store), clock, peaks = run_of(root), Clock(), {}
@@ -211,7 +211,7 @@ def steps(root: Path) -> dict:
 
 
 def advantages_step(cfg: RunConfig, store, clock: Clock) -> None:
-    """The advantages step as assets/scoring.py runs it: the recorded versions, the stage streamed
+    """The advantages step as assets/advantages.py runs it: the recorded versions, the stage streamed
     (stages/advantages.py: scalar columns, dense tensors, the output written batch by batch), metadata."""
     with clock("advantages.read"):  # the recorded versions only: the stage streams the partitions
         scored, old = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in ADV_READS)
@@ -226,7 +226,7 @@ def advantages_step(cfg: RunConfig, store, clock: Clock) -> None:
 
 
 def metrics_step(cfg: RunConfig, store, clock: Clock) -> None:
-    """The iteration_metrics step as assets/training.py runs it: the recorded versions, the two partitions streamed."""
+    """The iteration_metrics step as assets/iteration_metrics.py runs it: the recorded versions, the two partitions streamed."""
     with clock("metrics.read"):  # the recorded versions only: the stage streams the two partitions
         scored, adv = (Partition(store.uri(t), RUN, 0, recorded_at(store, t, 0)) for t in STREAMED)
         scored = ScoredRollouts(scored, Partition(store.uri("rollouts"), RUN, 0, recorded_at(store, "rollouts", 0)))

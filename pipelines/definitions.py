@@ -16,37 +16,19 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets import critic, ingest, judge, old_logprobs, reference, rollout, scoring, teacher, training
+from assets.stage_assets import stage_assets
 from configs.schema import RunConfig, load_config
 from pipelines.jobs import iteration_job, setup_job
 from pipelines.maintenance import lake_maintenance, lake_maintenance_schedule
 from pipelines.resources import build_resources, launch_defaults
 from pipelines.sensors import make_next_iteration_sensor
-from stages.dag import ITERATION, SETUP
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_BY_ENV = {"local": "configs/tiny_cpu.yaml", "ci": "configs/ci_tiny.yaml"}
 
 
-def _assets_in_dag_order() -> list[dg.AssetsDefinition]:
-    """The assets of the asset modules, one per stage of stages/dag.py, in its order."""
-    found = {
-        a.key.to_user_string(): a
-        for a in dg.load_assets_from_modules(
-            [ingest, rollout, reference, teacher, old_logprobs, judge, scoring, critic, training]
-        )
-    }
-    names = [s.name for s in SETUP + ITERATION]
-    if set(found) != set(names):
-        raise ValueError(
-            f"the asset modules define {sorted(found)}, but stages/dag.py lists {sorted(names)}: "
-            "every asset is a row of SETUP or ITERATION there (and every row an asset); add or "
-            "rename the row or the asset."
-        )
-    return [found[n] for n in names]
-
-
-ASSETS = _assets_in_dag_order()
+ASSETS = stage_assets()
+"""One asset per row of stages/dag.py, in its order, generated from the row (assets/stage_assets.py)."""
 
 
 def build_definitions(

@@ -13,6 +13,7 @@ from typing import Any
 
 import dagster as dg
 
+from assets import delta_io
 from assets.resources import (
     ModelStoreResource,
     RayResource,
@@ -113,4 +114,5 @@ def build_resources(
         "rollout_store": _derived(_rollout_store),
         "model_store": _derived(_model_store),
         "tracker": _derived(_tracker),
+        delta_io.KEY: delta_io.delta_io_manager,
     }

@@ -1,7 +1,7 @@
 """The critic_checkpoint stage (PPO with GAE): critic version N trained towards iteration N's GAE returns
 (clipped value loss), written as version N+1.
 
-Flow: assets/critic.py `critic_checkpoint` -> `train_critic(cfg, iteration, advantages, values, ...)` (the two
+Flow: assets/critic_checkpoint.py `materialize` -> `train_critic(cfg, iteration, advantages, values, ...)` (the two
 partitions as handles at their recorded versions) -> `critic_update_request` -> `CriticUpdateRequest` ->
 `CriticWorker.update_critic` (stages/workers/critic_worker.py) on the run's one-worker "critic" group
 (stages.values.critic_group), which reads the rows itself.

@@ -2,7 +2,7 @@
 question, response and ground truth through reward.judge.prompt_template and writes a verdict; the
 first capture group of reward.judge.score_regex in the verdict is the rollout's judge_score.
 
-Flow: assets/judge.py `judgements` -> `judge_rollouts(cfg, rollouts, prompts, iteration, sink)`: each rank of
+Flow: assets/judgements.py `materialize` -> `judge_rollouts(cfg, rollouts, prompts, iteration, sink)`: each rank of
 the run's "judge" worker group — RolloutWorkers (stages/workers/rollout_worker.py), the same engine hosts as
 rollouts (rollout.name: HF or vLLM), holding the judge checkpoint for the whole run — reads its slice of the
 rollouts partition, builds its judge prompts (chat template of the judge's tokenizer), generates, parses the

@@ -1,6 +1,6 @@
 """The policy_checkpoint stage: one PPO update of policy version N into version N+1.
 
-Flow: assets/training.py `policy_checkpoint` -> `update_request` (the one builder of an UpdateRequest
+Flow: assets/policy_checkpoint.py `materialize` -> `update_request` (the one builder of an UpdateRequest
 from the run config; `rlake replay` uses it too) -> `run_update`, which calls `ActorWorker.update`
 (stages/workers/actor_worker.py) on every rank of the run's "actor" group: actor.num_workers Ray actors
 in one gloo process group, kept for the whole run. Rank 0 commits the new checkpoint (out_dir: a

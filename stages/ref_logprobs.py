@@ -2,7 +2,7 @@
 (policy version 0 of the run), for KL as a loss (actor.use_kl_loss) or in the reward
 (algorithm.use_kl_in_reward).
 
-Flow: assets/reference.py `ref_logprobs` -> `reference_logprobs(cfg, rollouts, ref_dir, sink)` ->
+Flow: assets/ref_logprobs.py `materialize` -> `reference_logprobs(cfg, rollouts, ref_dir, sink)` ->
 `ref_logprob_shards`, which gives each rank of the run's "ref" worker group a contiguous slice of the rollouts
 partition at its recorded version; the rank reads it, calls `RefWorker.compute_ref_log_prob`
 (stages/workers/ref_worker.py) and writes its rows; the asset commits the files once. The

@@ -1,9 +1,9 @@
 """The scored_rollouts stage's reward model (reward.reward_model): a discriminative RM scores every
 training rollout, beside the rule reward.
 
-Flow: assets/scoring.py `scored_rollouts` -> `score_rollouts` (rule reward, stages/scored_rollouts.py) -> when
-reward.reward_model.enable, `reward_model_scores(cfg, rollouts)`, which splits the rollouts over the
-run's "reward_model" worker group and calls `RewardModelWorker.compute_rm_score`
+Flow: assets/scored_rollouts.py `materialize` -> `score_partition` -> `score_rollouts` (rule reward,
+stages/scored_rollouts.py) -> when reward.reward_model.enable, `reward_model_scores(cfg, rollouts)`, which
+splits the rollouts over the run's "reward_model" worker group and calls `RewardModelWorker.compute_rm_score`
 (stages/workers/reward_model_worker.py: tokenization, truncation, the score at the last token) on each
 rank; the workers load the model once and keep it for the whole run -> `combine_rm_scores`.
 

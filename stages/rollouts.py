@@ -2,7 +2,7 @@
 prompt and response token ids, per-token logprobs and finish reason (plus DAPO rounds and ReMax's
 greedy baselines, see `sample_rollouts`).
 
-Flow: assets/rollout.py `rollouts` -> `sample_rollouts(batch, cfg=...)` -> `generate_rollouts`, which
+Flow: assets/rollouts.py `materialize` -> `sample_rollouts(batch, cfg=...)` -> `generate_rollouts`, which
 splits the batch into contiguous shards over the run's "rollout" worker group and calls
 `RolloutWorker.generate` (stages/workers/rollout_worker.py) on each rank. The workers keep their engine
 for the whole run and take each new policy version's weights in place.

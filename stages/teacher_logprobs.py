@@ -1,7 +1,7 @@
 """The teacher_logprobs stage: per-token log-probs of every rollout's response under the distillation teacher
 (algorithm.distillation), for on-policy distillation's reverse-KL advantage (stages/algos/distill.py).
 
-Flow: assets/teacher.py `teacher_logprobs` -> `teacher_logprobs(cfg, rollouts, student_dir)`, which checks that
+Flow: assets/teacher_logprobs.py `materialize` -> `teacher_logprobs(cfg, rollouts, student_dir)`, which checks that
 the teacher reads the student's tokens as the student does (same tokenizer vocabulary) and runs
 stages.ref_logprobs.ref_logprob_shards with the teacher's checkpoint on the run's own "teacher" worker group:
 RefWorkers, loaded once per run and kept resident, placed as the reference model's (stages/workers/placement.py).

@@ -1,7 +1,7 @@
 """The values stage (PPO with GAE): per-token values of each rollout's response under critic version
 == iteration, GAE's baseline.
 
-Flow: assets/critic.py `values` -> `rollout_values(cfg, rollouts, critic_dir, iteration, sink)` ->
+Flow: assets/values.py `materialize` -> `rollout_values(cfg, rollouts, critic_dir, iteration, sink)` ->
 `CriticWorker.compute_values` (stages/workers/critic_worker.py) on the run's one-worker "critic" group,
 one torch thread, which reads the rollouts partition at its recorded version and writes the rows itself
 (stages/workers/sharded.py). The asset passes critic version `iteration` (stages.train.critic.require_critic

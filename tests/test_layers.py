@@ -184,9 +184,9 @@ def test_imports_point_down_the_layers(layer):
             "stages/algos/kl.py:1: algos imports ray; it may import only ['numpy', 'torch'] and the stdlib",
         ),
         (
-            "assets.rollout",
+            "assets.rollouts",
             "import importlib\nimportlib.import_module('pipelines.jobs')\n",
-            "assets/rollout.py:2: assets imports pipelines.jobs (pipelines, a layer above it)",
+            "assets/rollouts.py:2: assets imports pipelines.jobs (pipelines, a layer above it)",
         ),
         (
             "configs.schema",

@@ -51,7 +51,7 @@ def test_definitions_load_and_jobs_resolve(defs) -> None:
         "critic_checkpoint",
         "iteration_metrics",
     ]
-    assert set(defs.resources) == {"run_config", "ray", "rollout_store", "model_store", "tracker"}
+    assert set(defs.resources) == {"run_config", "ray", "rollout_store", "model_store", "tracker", "delta_io"}
 
 
 def test_asset_graph_is_the_iteration_dag(defs) -> None:
@@ -71,7 +71,7 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
         "old_logprobs",
     }
     assert up["teacher_logprobs"] == {"rollouts"}
-    assert up["values"] == {"scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
+    assert up["values"] == {"rollouts", "scored_rollouts"} and up["critic_checkpoint"] == {"advantages", "values"}
     assert up["policy_checkpoint"] == {"advantages"}
     assert up["iteration_metrics"] == {"policy_checkpoint", "critic_checkpoint"}
     checks = {c.name for c in graph.asset_check_keys}
@@ -80,7 +80,9 @@ def test_asset_graph_is_the_iteration_dag(defs) -> None:
 
 def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
     """Every asset is a row of stages/dag.py and its Dagster deps are the row's upstream; rows are in a
-    topological order, name existing stage modules, and carry the timing metric names users see."""
+    topological order, and carry the timing metric names users see. One stage = one asset = one name: the row's
+    compute function is in stages/<name>.py, the asset's body in assets/<name>.py, and the asset's inputs are the
+    upstream stages that write tables, loaded by the one Delta IO manager."""
     graph = defs.resolve_asset_graph()
     rows = dag.SETUP + dag.ITERATION
     assert {k.to_user_string() for k in graph.get_all_asset_keys()} == {s.name for s in rows}
@@ -88,7 +90,13 @@ def test_the_dag_table_drives_assets_deps_jobs_and_timings(defs) -> None:
     for s in rows:
         assert {p.to_user_string() for p in graph.get(dg.AssetKey(s.name)).parent_keys} == set(s.upstream), s.name
         assert set(s.upstream) <= seen, f"{s.name} comes before its upstream {set(s.upstream) - seen}"
-        assert importlib.util.find_spec(s.module) is not None, s.module
+        assert callable(getattr(importlib.import_module(f"stages.{s.name}"), s.compute)), s.name
+        assert callable(importlib.import_module(f"assets.{s.name}").materialize), s.name
+        asset = graph.get(dg.AssetKey(s.name)).assets_def
+        managers = {k.to_user_string(): asset.node_def.input_def_named(n).input_manager_key
+                    for n, k in asset.keys_by_input_name.items()}  # fmt: skip
+        assert {u for u, m in managers.items() if m == "delta_io"} == set(s.inputs), s.name
+        assert set(s.inputs) == {u for u in s.upstream if dag.STAGES[u].table}, s.name
         seen.add(s.name)
     assert dag.STEP_TIMINGS == (
         "timing_s/prompt_batch",

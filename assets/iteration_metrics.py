@@ -1,0 +1,116 @@
+"""The iteration_metrics asset: verl-named metrics of the iteration, to Delta and MLflow
+(stages/iteration_metrics.py)."""
+
+import dagster as dg
+import pandas as pd
+
+from assets.common import checkpoint_metrics, timed
+from assets.resources import RolloutStoreResource
+from assets.stage_assets import StageRun
+from stages.dag import ITERATION, uses_critic
+from stages.evaluate import validation_rollouts, validation_summary
+from stages.io.plots import run_curves_markdown
+from stages.io.store import newest_commit, pinned
+from stages.io.tables import PROMPTS_ITERATION
+from stages.iteration_metrics import validates
+from stages.models.policy import load_tokenizer
+from stages.scored_tokens import ScoredRollouts
+from stages.workers.group import worker_placements
+
+
+def materialize(run: StageRun) -> dg.MaterializeResult:
+    """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow. Its tables are
+    done when it runs: each is looked up once (stages.io.store.pinned), not once per read."""
+    cfg, it, tracker, store = run.cfg, run.iteration, run.tracker, run.rollout_store
+    with pinned():
+        m, val, read_versions = measure_iteration(run)
+        mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
+        tracker.log_metrics(mlflow_id, m, step=it + 1)
+        rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
+        v = run.write(rows, upstream=read_versions, policy_version=it + 1, duration_s=0.0)
+        tracker.log_iteration(
+            mlflow_id, store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
+        )
+        run.ray.ensure()  # where the run's workers are now (the recorded placement; SQL over the `workers` table)
+        placed = pd.DataFrame(worker_placements(cfg.run_id))
+        if len(placed):
+            run.write(placed, upstream={}, policy_version=it + 1, table="workers", duration_s=0.0, stage="workers")
+        if it + 1 == cfg.trainer.total_training_steps:  # the run is complete: its validation curve, then FINISHED
+            tracker.end_run(cfg.run_id, "FINISHED", tables_root=store.location)
+        curves = run_curves_markdown(store.location, cfg.run_id)
+    return run.result(
+        v,
+        {
+            **{k: m[k] for k in SUMMARY_METRICS if k in m},
+            **{k: x for k, x in m.items() if k.startswith("val-core/")},
+            "run_curves": dg.MetadataValue.md(curves),
+        },
+    )
+
+
+def measure_iteration(run: StageRun) -> tuple[dict[str, float], dict | None, dict]:
+    """(the iteration's metrics, its validation rollouts or None, the table versions read): the iteration_metrics
+    stage over the iteration's recorded partitions, the updates' recorded metrics, the stages' timings and, when
+    it validates, the validation of the new policy."""
+    cfg, it, store = run.cfg, run.iteration, run.rollout_store
+    rollouts = run.partition("rollouts")  # the token columns
+    scored = ScoredRollouts(run.partition("scored_rollouts"), rollouts)
+    adv = run.partition("advantages")
+    values = run.partition("values") if uses_critic(cfg) else None  # the values partition streamed like the others
+    ms = run.model_store.for_run(cfg.run_id)
+    new_dir = ms.require(it + 1, needed_by="iteration_metrics")
+    update, c_v = checkpoint_metrics(store, cfg.run_id, it, "policy", it + 1)
+    critic = checkpoint_metrics(store, cfg.run_id, it, "critic", it + 1)[0] if values is not None else None
+    timings = stage_timings(store, cfg.run_id, it)
+    m = run.compute(scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic)
+    val, val_metrics = validation(run, new_dir)
+    read_versions = {"scored_rollouts": scored.version, "rollouts": rollouts.version, "advantages": adv.version}
+    read_versions["checkpoints"] = c_v
+    return m | val_metrics, val, read_versions
+
+
+def validation(run: StageRun, new_dir) -> tuple[dict | None, dict[str, float]]:
+    """(validation rollouts by sampling mode, their val-core metrics and timing_s/testing: the seconds it took)
+    when iteration `it`'s new policy is validated (stages.iteration_metrics.validates), else (None, {})."""
+    cfg, it = run.cfg, run.iteration
+    if not validates(cfg, it):
+        return None, {}
+    with timed() as t:
+        run.ray.ensure()
+        prompts, _ = run.rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION,
+                                            version=run.partition("prompts", PROMPTS_ITERATION).version)  # fmt: skip
+        tok = load_tokenizer(run.model_store.for_run(cfg.run_id).fetch_tokenizer(it + 1))
+        val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
+        summary = validation_summary(val)
+    return val, {**summary, "timing_s/testing": t["s"]}
+
+
+SUMMARY_METRICS = (
+    "critic/score/mean",
+    "critic/vf_loss",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/reward_kl_penalty",
+    "actor/teacher_kl",
+    "training/rollout_probs_diff_mean",
+    "response_length/mean",
+    "timing_s/step",
+)
+"""The iteration_metrics asset's metadata (Dagster UI, plotted across partitions on the asset's Plots tab, every
+run's partitions on one axis), besides val-core/* and `run_curves` (the curves of the partition's run alone, up
+to that iteration: stages.io.plots.run_curves_markdown); every metric goes to Delta and MLflow."""
+
+
+def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:
+    """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the
+    newest lineage commit of its table for this iteration (read down to that commit only: store.newest_commit);
+    the updates report theirs in their own metrics."""
+    out = {}
+    for stage in (s for s in ITERATION if s.table and s.timing):
+        commit = newest_commit(rollout_store.uri(stage.name), run_id, it)  # ref_logprobs: only in runs with KL
+        if commit is not None:
+            out[stage.timing] = float(commit["duration_s"])
+    return out
