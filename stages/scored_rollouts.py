@@ -48,7 +48,7 @@ from stages.data.custom_reward import (
 )
 from stages.data.math_grader import RewardTimeout, require_math_verify
 from stages.data.rewards import Scorer, scorer_for
-from stages.io.stage_exec import Lineage, StageRun, read_columns, run_table_stage
+from stages.io.stage_exec import Lineage, Partition, StageRun, run_table_stage
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS, SCHEMAS
 from stages.judgements import combine_judge_scores
 from stages.reward_model import combine_rm_scores, reward_model_scores
@@ -272,6 +272,12 @@ class ModelScores:
     cfg: RunConfig
     judgements: pd.DataFrame | None = None
 
+    @property
+    def reads_rollout_columns(self) -> bool:
+        """Whether __call__ reads `rows`: the reward model does (their token ids, or their texts); the judge's
+        combination reads the scored block only (rollout_id, reward, overlong_penalty)."""
+        return self.cfg.reward.reward_model.enable
+
     def __call__(self, scored: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
         if self.cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
             rm = reward_model_scores(self.cfg, rows)
@@ -313,9 +319,12 @@ def score_partition(
     `source_uri` as of `version`, scored block by block (ScoreBatch) and written as that partition of
     scored_rollouts at `target_uri` in one commit; in this process, or on Ray Data from `data_min_rows` rows.
     Only the data_source column is read here whole (the checks of reward_stage). `then` (ModelScores): each block
-    also goes to the reward model's or judge's combination, in this process (it calls the run's model groups)."""
-    sources = read_columns(source_uri, run_id, iteration, ["data_source"], version=version)["data_source"].unique()
+    also goes to the reward model's or judge's combination, in this process (it calls the run's model groups).
+    The token columns are not read unless `then` reads the rollouts (a reward model): scored_columns."""
+    part = Partition(source_uri, run_id, iteration, version)
+    sources = part.read(["data_source"])["data_source"].unique()
     stage = reward_stage(reward_cfg, sources, max_response_length=max_response_length)
+    reads_rows = then is not None and getattr(then, "reads_rollout_columns", True)
     return run_table_stage(
         ScoreBatch(stage, then),
         source_uri,
@@ -326,7 +335,28 @@ def score_partition(
         version=version,
         lineage=lineage,
         data_min_rows=data_min_rows if then is None else None,
+        columns=None if reads_rows else scored_columns(part.columns()),
     )
+
+
+SCORER_READS = (
+    "rollout_id",
+    "prompt_id",
+    "data_source",
+    "ground_truth",
+    "response_text",
+    "extra_info",
+    "response_length",
+)
+"""The rollouts columns RewardStage reads: rollout_id (ScoreBatch's order), the built-in scorers' two, a custom or
+entry-point function's four arguments (_verl_rows: never the row), prompt_id (an error's row), response_length
+(overlong shaping). No token column."""
+
+
+def scored_columns(rollouts_columns: list[str]) -> list[str]:
+    """The columns of a rollouts table the stage reads without a reward model: all but ROLLOUT_TOKEN_COLUMNS, as
+    scored_rollouts copies every other column of a rollout (they hold SCORER_READS; check_extra_keys sees each)."""
+    return [c for c in rollouts_columns if c not in ROLLOUT_TOKEN_COLUMNS]
 
 
 def typed_extras(scored: pd.DataFrame) -> pd.DataFrame:

@@ -81,14 +81,19 @@ def partition_files(
 
 
 def _read_files(batch: dict[str, Any], *, uri: str, options: dict | None, columns: list[str] | None) -> pa.Table:
-    """One read task: the listed Parquet files of a partition, with the partition columns put back."""
+    """One read task: the listed Parquet files of a partition, with the partition columns put back; `columns`
+    (None: all) those of them each file has (a column a file lacks is left out of its rows, as a read of all
+    columns leaves it out)."""
     store = _store(uri, options)
     tables = []
     for rel, run_id, iteration in zip(batch["path"], batch["run_id"], batch["iteration"], strict=True):
         data = objects.get_bytes(store, str(rel))
         if data is None:
             raise FileNotFoundError(f"Delta file '{rel}' of table '{uri}' is missing (vacuumed too early?)")
-        cols = None if columns is None else [c for c in columns if c not in KEYS]
+        cols = None
+        if columns is not None:  # the file's footer says which it has: pyarrow raises on a column it lacks
+            has = set(pq.read_schema(io.BytesIO(data)).names)
+            cols = [c for c in columns if c not in KEYS and c in has]
         t = pq.read_table(io.BytesIO(data), columns=cols)
         t = t.append_column("run_id", pa.array([str(run_id)] * len(t), pa.string()))
         tables.append(t.append_column("iteration", pa.array([int(iteration)] * len(t), pa.int64())))
@@ -114,7 +119,8 @@ def read_partition_dataset(
     storage_options: Options = None,
 ) -> ray.data.Dataset:
     """A Dataset of partition (run_id, iteration) of the table at `uri` as of `version` (newest when None):
-    one read task per Parquet file; `columns` projects in the files (the partition columns always come)."""
+    one read task per Parquet file; `columns` projects in the files (those a file has: _read_files; the partition
+    columns always come)."""
     if not table_exists(uri, storage_options=storage_options):
         raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
     files = partition_files(uri, run_id, iteration, version=version, storage_options=storage_options)

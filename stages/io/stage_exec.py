@@ -91,11 +91,19 @@ def iter_partition_batches(
     columns: list[str] | None = None,
     batch_rows: int | None = None,
     storage_options: Options = None,
+    fill_missing: bool = True,
 ) -> Iterator[pd.DataFrame]:
     """The partition's rows at `version`, `batch_rows` at a time (None: BATCH_ROWS) as pandas, without the
     partition columns: iter_partition_record_batches, each batch converted."""
     for batch in iter_partition_record_batches(
-        uri, run_id, iteration, version=version, columns=columns, batch_rows=batch_rows, storage_options=storage_options
+        uri,
+        run_id,
+        iteration,
+        version=version,
+        columns=columns,
+        batch_rows=batch_rows,
+        storage_options=storage_options,
+        fill_missing=fill_missing,
     ):
         yield batch.to_pandas()
 
@@ -109,10 +117,12 @@ def iter_partition_record_batches(
     columns: list[str] | None = None,
     batch_rows: int | None = None,
     storage_options: Options = None,
+    fill_missing: bool = True,
 ) -> Iterator[pa.RecordBatch]:
     """The partition's rows at `version`, `batch_rows` at a time (None: BATCH_ROWS) as Arrow record batches,
     without the partition columns; `columns` projects (those the table lacks are left out, those a file lacks
-    come as nulls, as in a whole-partition read); one batch in memory at a time. Each file is read through a
+    come as nulls, as in a whole-partition read; with fill_missing=False those a file lacks are left out of its
+    batches too, as a read without `columns` leaves them); one batch in memory at a time. Each file is read through a
     READ_BUFFER stream, page by page (pyarrow's ParquetFile, no pre-buffering): a dataset scanner decodes a whole
     row group first, and a driver-written partition is ONE row group, so its peak grew with the partition
     (reading 20k rollouts of 256 tokens, 1000-row batches, against 1k: +270 MB with a scanner, +55 MB
@@ -121,7 +131,7 @@ def iter_partition_record_batches(
     for fragment in ds.get_fragments():
         with ds.filesystem.open_input_file(fragment.path) as f:
             reader = pq.ParquetFile(f, pre_buffer=False, buffer_size=READ_BUFFER)
-            wanted = _columns_of(ds.schema, reader.schema_arrow, columns)
+            wanted = _columns_of(ds.schema, reader.schema_arrow, columns, fill_missing)
             have = [c for c in wanted if c in reader.schema_arrow.names]
             for batch in reader.iter_batches(batch_size=batch_rows or BATCH_ROWS, columns=have, use_threads=False):
                 if batch.num_rows:  # without pandas metadata, as a whole read (the Delta schema has none)
@@ -129,12 +139,14 @@ def iter_partition_record_batches(
                 pool.release_unused()  # else mimalloc keeps the decoded batches' pages (+40 MB over 100k rollouts)
 
 
-def _columns_of(table: pa.Schema, file: pa.Schema, columns: list[str] | None) -> list[str]:
+def _columns_of(table: pa.Schema, file: pa.Schema, columns: list[str] | None, fill_missing: bool = True) -> list[str]:
     """The columns a batch of one file holds, as a whole-partition read (DeltaTable.to_pandas) would have them:
-    `columns` the table has (None: the file's), plus the table's columns an older file lacks when `columns` asks."""
+    `columns` the table has (None: the file's), plus the table's columns an older file lacks when `columns` asks
+    (fill_missing; else only those of `columns` the file has, as a read of all its columns would hold them)."""
     if columns is None:
         return list(file.names)
-    return [c for c in columns if c in table.names and c not in dataset_io.KEYS]
+    held = table.names if fill_missing else file.names
+    return [c for c in columns if c in held and c not in dataset_io.KEYS]
 
 
 def _with_nulls(batch: pa.RecordBatch, table: pa.Schema, wanted: list[str]) -> pa.RecordBatch:
@@ -276,9 +288,13 @@ def write_frames(
     )
 
 
-def _run_local(fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts) -> int:
+def _run_local(
+    fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts, columns
+) -> int:
     """In-process: stream batches through `fn`, one Parquet file per output batch, ONE commit."""
-    batches = iter_partition_batches(source, run_id, iteration, version=version, storage_options=opts)
+    batches = iter_partition_batches(
+        source, run_id, iteration, version=version, columns=columns, storage_options=opts, fill_missing=False
+    )
     frames = (fn(batch) for batch in batches)
     return write_frames(frames, target, name, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts)
 
@@ -291,12 +307,14 @@ def cpu_nodes() -> int:
 
 
 def _run_ray(
-    fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts, rows: int
+    fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts, columns, rows: int
 ) -> int:
     """Ray Data: read tasks, map_batches(fn) and write tasks on the workers; one commit here. The rows are cut into
     at least one block per CPU node (a driver-written partition is one file, one block) and the map and write
     tasks SPREAD over the nodes, so every node with CPUs scores a part (the commit records the writing nodes)."""
-    ds = dataset_io.read_partition_dataset(source, run_id, iteration, version=version, storage_options=opts)
+    ds = dataset_io.read_partition_dataset(
+        source, run_id, iteration, version=version, columns=columns, storage_options=opts
+    )
     blocks = max(1, min(rows, max(cpu_nodes(), -(-rows // BATCH_ROWS))))
     ds = ds.repartition(blocks).map_batches(
         lambda df: fn(df.drop(columns=[c for c in dataset_io.KEYS if c in df.columns])),
@@ -321,10 +339,14 @@ def run_table_stage(
     lineage: Lineage,
     data_min_rows: int | None = None,
     storage_options: Options = None,
+    columns: list[str] | None = None,
 ) -> StageRun:
     """Apply `fn` (a picklable pandas batch callable: rows in, rows out, no cross-row state) to partition
     (run_id, iteration) of the table at `source_uri` as of `version`, and replace that partition of table `name`
-    at `target_uri` with its output: ONE commit with `lineage`. Ray Data from `data_min_rows` rows on."""
+    at `target_uri` with its output: ONE commit with `lineage`. Ray Data from `data_min_rows` rows on.
+    `columns`: read only these columns of the partition (None: all), in either mode; `fn` gets the batches a read
+    of all columns gives, in the same rows and order, less the other columns (a column a file lacks stays out
+    of its rows, as without `columns`), so the other columns' pages are never read."""
     t0 = time.perf_counter()
     meta = (lambda: lineage(time.perf_counter() - t0)) if callable(lineage) else lineage
     rows = partition_rows(source_uri, run_id, iteration, version=version, storage_options=storage_options)
@@ -342,5 +364,6 @@ def run_table_stage(
         version=version,
         lineage=meta,
         opts=storage_options,
+        columns=columns,
     )
     return StageRun(version=v, rows=rows, mode=mode)
