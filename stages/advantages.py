@@ -16,10 +16,11 @@ stages.advantage_table.compute_advantage_table turns whole frames (every token l
    then each pass that needs their token lists streams them a record batch at a time alongside scored_rollouts.
    That needs them in the kept order (their stages write them in the rollouts' order); a table out of that order
    is read whole as Arrow and taken into the kept order (the step's peak then grows by about 2x its column).
-3. output: scored_rollouts' token columns streamed again (Arrow), each batch's kept rows joined with their slices
-   of the outputs and the joined tables, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames).
-   The list columns reach the writer as Arrow buffers (token_advantages and returns built from numpy), never
-   as Python lists.
+3. output: the kept rows' response masks streamed again (Arrow), each batch's rows with their slices of the
+   outputs, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames). The list columns reach the
+   writer as Arrow buffers (token_advantages and returns built from numpy), never as Python lists. The table
+   holds what this stage computes; the rows' token columns and old/ref/teacher log-probs stay in their tables,
+   which its readers join by rollout_id (stages/advantage_rows.py; the commit records `joins`).
 
 Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
 sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
@@ -38,6 +39,7 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
+from stages.advantage_rows import JOINED, with_joins
 from stages.advantage_table import (
     distilled,
     drop_flagged_rollouts,
@@ -62,19 +64,19 @@ from stages.train.batching import loss_mask, row_masks
 SCALARS = ["rollout_id", "group_id", "policy_version", "reward", "response_length", "is_baseline", "score"]
 """The scored_rollouts columns the row selection and the outcome math read (pass 1)."""
 
-TOKENS = ["prompt_token_ids", "response_token_ids", "response_mask", "rollout_logprobs"]
-"""The scored_rollouts token columns the advantages table copies (pass 3)."""
+MASK = ["rollout_id", "response_mask"]
+"""What pass 3 reads of scored_rollouts (response_mask: when the rollouts have it): the rows' token advantages."""
 
 SUMMARY = ["group_id", "advantage", "kl_coef", "teacher_kl"]
 """The per-row columns the asset's metadata and finite check read (returned, never read back)."""
 
 JOINS = {
-    "old": ("old_logprobs", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], "old log-probs", "old_logprobs"),
-    "ref": ("ref_logprobs", [], "reference log-probs", "ref_logprobs"),
-    "values": ("values", [], "critic values", "values"),
-    "teacher": ("teacher_logprobs", [], "teacher log-probs", "teacher_logprobs"),
+    "old": ("old_logprobs", "old log-probs", "old_logprobs"),
+    "ref": ("ref_logprobs", "reference log-probs", "ref_logprobs"),
+    "values": ("values", "critic values", "values"),
+    "teacher": ("teacher_logprobs", "teacher log-probs", "teacher_logprobs"),
 }
-"""Upstream table -> (its token column, scalar columns copied, what its rows are, the asset to re-materialize)."""
+"""Upstream table -> (its token column, what its rows are, the asset to re-materialize)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class Joined:
 def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None = None) -> Joined:
     """The upstream table's rows of the kept rollouts (streamed: rollout_id and list lengths only); a kept rollout
     it lacks, or a token list of another length than the response, is an error naming the rollouts."""
-    column, scalars, what, asset = JOINS[which]
+    column, what, asset = JOINS[which]
     ids, lengths = [np.zeros(0, np.int64)], [np.zeros(0)]
     for batch in part.record_batches(["rollout_id", column]):
         ids.append(batch["rollout_id"].to_numpy())
@@ -155,18 +157,17 @@ def join(part: Partition, which: str, kept: pd.DataFrame, batch_rows: int | None
             f"rollouts {bad[:10].tolist()}: {what} of another length than the response; re-materialize {asset}"
         )
     ordered = bool((np.diff(positions) > 0).all())  # the table in the kept order (a subset): merge, else take whole
-    whole = None if ordered else part.arrow([column, *scalars]).take(pa.array(positions))
+    whole = None if ordered else part.arrow([column]).take(pa.array(positions))
     return Joined(part, which, positions, whole, batch_rows)
 
 
 class JoinedRows(MergeTake):
-    """One pass over a Joined table's kept rows (stage_exec.MergeTake over its token and scalar columns): take(first,
+    """One pass over a Joined table's kept rows (stage_exec.MergeTake over its token column): take(first,
     k), called with increasing `first`, gives kept rows first..first+k. A merge join over the two streams, or the
     `whole` columns sliced."""
 
     def __init__(self, joined: Joined):
-        column, scalars, _, _ = JOINS[joined.which]
-        super().__init__(joined.part, [column, *scalars], joined.positions, joined.batch_rows, whole=joined.whole)
+        super().__init__(joined.part, [JOINS[joined.which][0]], joined.positions, joined.batch_rows, whole=joined.whole)
 
 
 def fill_rows(out: torch.Tensor, column: pa.Array | pa.ChunkedArray) -> None:
@@ -323,52 +324,25 @@ def token_lists(t: torch.Tensor, lengths: np.ndarray) -> pd.Series:
     return list_column(t.numpy()[np.arange(t.shape[1])[None, :] < lengths[:, None]], lengths)
 
 
-def engine_lists(rows: pa.RecordBatch) -> pd.Series:
-    """stages.advantage_table.engine_logprob_lists in Arrow: rollout_logprobs, an empty list where a row has none."""
-    if "rollout_logprobs" not in rows.schema.names:
-        return list_column(np.zeros(0, np.float32), np.zeros(rows.num_rows, np.int64))
-    column = rows["rollout_logprobs"]
-    lengths = pc.list_value_length(column).fill_null(0).to_numpy()
-    return list_column(pc.list_flatten(column).to_numpy(zero_copy_only=False), lengths)
-
-
-def joined_columns(cursors: dict, first: int, k: int) -> dict:
-    """The advantages table's old_logprobs / rollout_probs_diff_* / ref_logprobs / teacher_logprobs columns for
-    kept rows first..first+k (empty lists and NaN for a table the run does not join)."""
-    empty = list_column(np.zeros(0, np.float32), np.zeros(k, np.int64))
-    out = {"old_logprobs": empty, "rollout_probs_diff_max": np.full(k, np.nan)}
-    out |= {"rollout_probs_diff_mean": np.full(k, np.nan), "ref_logprobs": empty, "teacher_logprobs": empty}
-    for which, cursor in cursors.items():
-        column, scalars, _, _ = JOINS[which]
-        part = cursor.take(first, k)
-        out[column] = arrow_series(part[column])
-        out |= {c: part[c].to_numpy().astype(np.float64) for c in scalars}
-    return out
-
-
 def output_frames(
-    cfg: RunConfig, scored: Partition, kept, joined: dict, out: Outputs, firsts: list, batch_rows
+    cfg: RunConfig, scored: Partition, kept, out: Outputs, firsts: list, batch_rows
 ) -> Iterator[pd.DataFrame]:
-    """Pass 3: the advantages table a batch of scored_rollouts at a time, columns as compute_advantage_table's
-    (the list columns over Arrow buffers); each batch's `advantage` column is appended to `firsts`."""
+    """Pass 3: the advantages table a batch of scored_rollouts at a time, compute_advantage_table's columns less
+    the joined ones (tables.ADVANTAGE_JOINS; the list columns over Arrow buffers); each batch's `advantage` column
+    is appended to `firsts`."""
     has, lengths = set(scored.columns()), kept["response_length"].to_numpy(dtype=np.int64)
-    cursors = {w: j.rows() for w, j in joined.items() if w != "values"}  # GAE reads values; the table has none
-    for first, rows in kept_batches(scored, kept, [c for c in TOKENS if c in has], batch_rows):
-        sl, k, masks = slice(first, first + rows.num_rows), rows.num_rows, masks_of(rows)
+    for first, rows in kept_batches(scored, kept, [c for c in MASK if c in has], batch_rows):
+        sl, masks = slice(first, first + rows.num_rows), masks_of(rows)
         a, r = out.token_rows(first, lengths[sl], masks)
         firsts.append(a[:, 0].numpy().copy())  # not a view: it would keep the whole (k, L') rows alive
         advantages = token_lists(a, lengths[sl])
         yield pd.DataFrame(
             {
                 **{key: kept[key].to_numpy()[sl] for key in ("rollout_id", "group_id", "policy_version")},
-                **{key: arrow_series(rows[key]) for key in ("prompt_token_ids", "response_token_ids")},
-                "response_mask": pd.Series(masks or [None] * k, dtype=object),
                 "reward": out.rewards[sl],
                 "advantage": firsts[-1],
                 "token_advantages": advantages,
                 "adv_estimator": cfg.algorithm.adv_estimator,
-                "rollout_logprobs": engine_lists(rows),
-                **joined_columns(cursors, first, k),
                 **{key: out.cols[key][sl] for key in ("kl_coef", "reward_kl", "teacher_kl")},
                 "returns": advantages if r is a else token_lists(r, lengths[sl]),
             }
@@ -395,6 +369,12 @@ def joins_of(cfg: RunConfig, up: Upstream) -> list[str]:
     return [w for w, need in needed.items() if need and getattr(up, w) is not None]
 
 
+def joined_tables(joins: list[str]) -> list[str]:
+    """The tables whose columns the advantages rows' readers join (tables.ADVANTAGE_JOINS), those this run's table
+    had copied: rollouts, and the joined upstream tables but values (its values are in `returns`)."""
+    return ["rollouts", *(JOINS[w][2] for w in joins if w != "values")]
+
+
 def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> AdvantageRun:
     """The explicit fallback (module docstring): every partition read whole, stages.advantage_table's computation."""
 
@@ -403,7 +383,8 @@ def whole_frame(cfg: RunConfig, up: Upstream, target_uri: str, *, lineage) -> Ad
 
     frames = {k: read(getattr(up, k)) for k in ("values", "ref", "previous", "old", "teacher")}
     adv, dropped = iteration_advantages(cfg, read(up.scored), **frames)
-    s = up.scored
+    adv, s = adv.drop(columns=[c for c in JOINED if c in adv]), up.scored  # the readers join them
+    lineage = with_joins(lineage, joined_tables(joins_of(cfg, up)))
     version = write_frames([adv], target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
     return AdvantageRun(version, adv[SUMMARY].copy(), dropped, "whole-frame")
 
@@ -431,7 +412,7 @@ def stream_advantages(
         mask, lp = scored_dense(up.scored, kept, width, engine_lp, batch_rows)
         out = dense_advantages(cfg, kept, baselines, joined, mask, lp, kl_coef)
     s, firsts = up.scored, []
-    frames = output_frames(cfg, s, kept, joined, out, firsts, batch_rows)
+    frames, lineage = output_frames(cfg, s, kept, out, firsts, batch_rows), with_joins(lineage, joined_tables(joins))
     version = write_frames(frames, target_uri, "advantages", run_id=s.run_id, iteration=s.iteration, lineage=lineage)
     summary = pd.DataFrame({"group_id": kept["group_id"].to_numpy(), "advantage": np.concatenate(firsts)})
     summary = summary.assign(kl_coef=out.cols["kl_coef"], teacher_kl=out.cols["teacher_kl"])

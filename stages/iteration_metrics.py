@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
+from stages.advantage_rows import JoinedAdvantages
 from stages.advantages import join
 from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
@@ -20,7 +21,6 @@ from stages.algos.val_metrics import process_validation_metrics, val_metric_name
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
 from stages.io.stage_exec import Partition
-from stages.io.store import present_columns
 from stages.train.batching import is_null, loss_mask, row_masks
 
 
@@ -267,11 +267,16 @@ def reduce_stats(stats: list[np.ndarray]) -> np.ndarray:
     return np.array([n, top, md, m2d, mx, my, cxx, cyy, cxy])
 
 
-def streamed_rollout_metrics(scored: Partition, advantages: Partition, *, batch_rows: int | None = None) -> dict:
+def streamed_rollout_metrics(
+    scored: Partition, advantages: Partition | JoinedAdvantages, *, batch_rows: int | None = None
+) -> dict:
     """rollout_metrics of two table partitions at their recorded versions, read batch by batch and only the columns
     it needs (stage_exec.iter_partition_batches): the list columns are reduced per batch (row_counts, ProbsGap), so
     what stays is a few numbers per row, never a token column of the partition."""
-    rows = [row_counts(b) for b in scored.batches(list(SCORED_COLUMNS), batch_rows)]
+    rows, advantages = (
+        [row_counts(b) for b in scored.batches(list(SCORED_COLUMNS), batch_rows)],
+        JoinedAdvantages.of(advantages),
+    )
     gap, adv = ProbsGap(), []  # scored_rollouts tables always hold rollout_logprobs (tables.ROLLOUT_FIELDS)
     for batch in advantages.batches([*ADVANTAGE_SCALARS, *PROBS_COLUMNS], batch_rows):
         adv.append(batch[[c for c in ADVANTAGE_SCALARS if c in batch]])
@@ -320,9 +325,8 @@ def streamed_critic_data_metrics(
         lengths.append(pc.list_value_length(batch["token_advantages"]).to_numpy(zero_copy_only=False))
     kept = pd.DataFrame({"rollout_id": np.concatenate(ids), "response_length": np.concatenate(lengths)})
     rows, moments, first = join(values, "values", kept, batch_rows).rows(), CriticDataMoments(), 0
-    columns = present_columns(
-        advantages.uri, ["returns", "token_advantages", "response_mask"], version=advantages.version
-    )
+    advantages = JoinedAdvantages.of(advantages)  # response_mask: the rollouts'
+    columns = [c for c in ("returns", "token_advantages", "response_mask") if c in advantages.columns()]
     for batch in advantages.record_batches(columns, batch_rows):
         k = batch.num_rows
         if k:
@@ -352,6 +356,7 @@ def iteration_metrics(
     recorded in the new checkpoint's `checkpoints` table row), the stages' timings and timing_s/step, and with a
     critic (values, critic_update_metrics) its metrics. Validation is added by the caller when validates(cfg,
     iteration)."""
+    advantages = JoinedAdvantages.of(advantages)  # the token and log-prob columns joined from their tables
     m = streamed_rollout_metrics(scored, advantages, batch_rows=batch_rows)
     m |= dict(update_metrics) | timings
     if values is not None and critic_update_metrics is not None:  # PPO with a critic: critic/vf_loss, ...

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from stages.io import commit_reads, uris
-from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, SCHEMAS
+from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, LEGACY_FIELDS, SCHEMAS
 
 LINEAGE_PREFIX = "rlake."
 
@@ -247,6 +247,8 @@ def to_arrow(name: str, df: pd.DataFrame) -> pa.Table:
     missing = [f.name for f in schema if f.name not in df.columns]
     if missing:
         raise ValueError(f"table '{name}': DataFrame lacks columns {missing}; has {list(df.columns)}")
+    legacy = [f for f in LEGACY_FIELDS.get(name, ()) if f.name in df.columns]  # an older rlake's layout (tests)
+    schema = pa.schema([*schema, *legacy]) if legacy else schema
     table = pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
     for column in extra_columns(name, df):
         try:
@@ -438,7 +440,7 @@ def lineage_of(entry: dict[str, Any], version: int) -> dict[str, Any] | None:
     meta = {k[len(LINEAGE_PREFIX) :]: v for k, v in entry.items() if k.startswith(LINEAGE_PREFIX)}
     if not meta:
         return None
-    for key in ("upstream", "write_nodes", *COMMIT_SETS.values()):
+    for key in ("upstream", "write_nodes", "joins", *COMMIT_SETS.values()):
         if key in meta:
             meta[key] = json.loads(meta[key])
     return {"version": version, "timestamp": entry.get("timestamp"), **meta}
@@ -512,14 +514,7 @@ class History:
 
     def _read_commit(self, v: int) -> dict[str, Any] | None:
         """The commitInfo of version v's commit file (what history() gives for it, without the version)."""
-        from stages.io import objects  # noqa: PLC0415 - objects is only needed here
-
-        data = objects.get_bytes(objects.open_store(*self._where), f"_delta_log/{v:020d}.json")
-        for line in (data or b"").decode().splitlines():
-            action = json.loads(line) if line.strip() else {}
-            if "commitInfo" in action:
-                return action["commitInfo"]
-        return None
+        return read_commit_info(*self._where, v)
 
     def commits(self, *, everything: bool = False):
         """Lineage commits newest first, reading pages as the caller goes on (`everything`: in one read)."""
@@ -568,6 +563,28 @@ class History:
         """The newest commit of partition (run_id, iteration): the pages down to it, none when it has no rows."""
         found = self.find(run_id, iteration, limit=1) if self.has_partition(run_id, iteration) else []
         return found[0] if found else None
+
+
+def read_commit_info(path: str, opts: dict[str, str] | None, version: int) -> dict[str, Any] | None:
+    """The commitInfo of the table's commit file of `version` (None: no such file, or none in it)."""
+    from stages.io import objects  # noqa: PLC0415 - objects is only needed here
+
+    data = objects.get_bytes(objects.open_store(path, opts), f"_delta_log/{version:020d}.json")
+    for line in (data or b"").decode().splitlines():
+        action = json.loads(line) if line.strip() else {}
+        if "commitInfo" in action:
+            return action["commitInfo"]
+    return None
+
+
+def commit_at(uri: str, version: int, *, storage_options: Options = None) -> dict[str, Any] | None:
+    """The rlake lineage of the commit at `version` (its one commit file read, once per process); None when there
+    is none or it is not an rlake commit."""
+    path, opts = _open(uri, storage_options)
+    known = _COMMITS.setdefault(_key(path, opts), {})
+    if version not in known:
+        known[version] = read_commit_info(path, opts, version)
+    return lineage_of(known[version] or {}, version)
 
 
 def commit_lineage(

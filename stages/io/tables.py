@@ -99,6 +99,16 @@ OLD_LOGPROB_FIELDS = [
     pa.field("rollout_probs_diff_mean", pa.float64()),
 ]
 
+ADVANTAGE_JOINS: dict[str, tuple[str, ...]] = {
+    "rollouts": ("prompt_token_ids", "response_token_ids", "response_mask", "rollout_logprobs"),
+    "old_logprobs": tuple(f.name for f in OLD_LOGPROB_FIELDS),
+    "ref_logprobs": ("ref_logprobs",),
+    "teacher_logprobs": ("teacher_logprobs",),
+}
+"""table -> its columns the readers of `advantages` join by rollout_id at the version the advantages commit read
+(stages/advantage_rows.py; #36: stored once). An advantages partition written before holds copies of them
+(ADVANTAGE_COPIES), which its readers take as they are."""
+
 SCHEMAS: dict[str, pa.Schema] = {
     # prompts: iteration -1 holds the ingested dataset of a run
     "prompts": pa.schema(_KEYS + PROMPT_FIELDS),
@@ -126,25 +136,16 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("rollout_id", pa.int64(), nullable=False),
             pa.field("group_id", pa.int64()),
             pa.field("policy_version", pa.int64()),
-            pa.field("prompt_token_ids", _TOKENS),
-            pa.field("response_token_ids", _TOKENS),
-            pa.field("response_mask", _RESPONSE_MASK),  # the rollout's (null: all ones); advantages are 0 where 0
             pa.field("reward", pa.float64()),
             pa.field("advantage", pa.float32()),
             pa.field("token_advantages", pa.list_(pa.float32())),
             pa.field("adv_estimator", pa.string()),
-            # the engine's log-probs (the rollout's), for the update's algorithm.rollout_correction
-            pa.field("rollout_logprobs", pa.list_(pa.float32())),
-            # the old_logprobs stage's: the PPO ratio's denominator and the KL-in-reward's policy log-probs,
-            # and the rollout's engine-vs-trainer probability gap (its max and mean over the response)
-            *OLD_LOGPROB_FIELDS,
-            # reference log-probs (empty lists unless KL is used), the KL-in-reward beta and per-rollout KL
-            pa.field("ref_logprobs", pa.list_(pa.float32())),
+            # the KL-in-reward beta and per-rollout KL (NaN without it); the rows' token columns and log-probs
+            # are not copied here: readers join them by rollout_id (ADVANTAGE_JOINS)
             pa.field("kl_coef", pa.float64()),
             pa.field("reward_kl", pa.float64()),
-            # on-policy distillation: the teacher's log-probs (empty lists without it) and the rollout's token-mean
-            # reverse KL log pi_student - log pi_teacher (NaN without it); token_advantages include its term
-            pa.field("teacher_logprobs", pa.list_(pa.float32())),
+            # on-policy distillation: the rollout's token-mean reverse KL log pi_student - log pi_teacher (NaN
+            # without it); token_advantages include its term
             pa.field("teacher_kl", pa.float64()),
             # GAE returns per response token (advantages + values, PPO with a critic); empty for others
             pa.field("returns", pa.list_(pa.float32())),
@@ -254,6 +255,18 @@ SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
 }
+ADVANTAGE_COPIES = [
+    pa.field("prompt_token_ids", _TOKENS),
+    pa.field("response_token_ids", _TOKENS),
+    pa.field("response_mask", _RESPONSE_MASK),
+    pa.field("rollout_logprobs", pa.list_(pa.float32())),
+    *OLD_LOGPROB_FIELDS,
+    pa.field("ref_logprobs", pa.list_(pa.float32())),
+    pa.field("teacher_logprobs", pa.list_(pa.float32())),
+]
+"""The ADVANTAGE_JOINS columns as an advantages partition of an older rlake holds them: store.to_arrow keeps those a
+frame has (tests write that layout), and never adds one."""
+LEGACY_FIELDS: dict[str, list[pa.Field]] = {"advantages": ADVANTAGE_COPIES}
 PROMPTS_ITERATION = -1
 COLUMN_DEFAULTS: dict[str, object] = {
     "gen_round": 0,

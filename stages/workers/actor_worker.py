@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pyarrow.compute as pc
 import ray
 import torch
 import torch.distributed as dist
@@ -52,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ActorConfig, LoraConfig, OptimConfig
 from stages import seeds
+from stages.advantage_rows import read_advantage_rows
 from stages.io.checkpoints import (
     CHECKPOINT_ID,
     checkpoint_identity,
@@ -60,7 +60,7 @@ from stages.io.checkpoints import (
     save_optimizer_state,
     writing,
 )
-from stages.io.store import present_columns, read_partition
+from stages.io.store import read_partition
 from stages.models.lora import load_lora_policy, merged_state_dict, refuse_lora_checkpoint, save_adapter, save_merged
 from stages.models.policy import load_policy, save_policy
 from stages.train.actor import compute_logprobs, ppo_update
@@ -101,24 +101,22 @@ ROW_COLUMNS = (
     "rollout_logprobs",
     "old_logprobs",
 )
-"""The advantages table's columns the update reads (those the table has)."""
+"""The advantages rows' columns the update reads (those there are): the token and log-prob columns are joined
+from their tables (stages.advantage_rows)."""
 
 
 def rank_partition(req: UpdateRequest, rank: int, world: int) -> pd.DataFrame:
     """This (data-parallel) rank's rows of the iteration's advantages partition at the recorded version, in
     rollout_id order: the partition's rollout ids first (one column), then only this rank's rows
-    (stages.train.ppo_loop.shard_for_rank of the sorted ids) and only the ROW_COLUMNS the table has. Each rank
-    reads its shard, never the whole partition."""
+    (stages.train.ppo_loop.shard_for_rank of the sorted ids) and only the ROW_COLUMNS there are, those of the
+    rollouts and log-prob tables joined by rollout_id from the same ids' rows of their recorded versions
+    (stages.advantage_rows.read_advantage_rows). Each rank reads its shard, never the whole partition."""
     uri, version = req.advantages_uri, req.advantages_version
     ids = read_partition(uri, req.run_id, req.iteration, version=version, columns=["rollout_id"])["rollout_id"]
     ids = ids.sort_values().to_numpy()
     mine = ids[shard_for_rank(len(ids), req.actor.ppo_mini_batch_size * req.n_per_prompt, rank, world)]
-    columns = present_columns(uri, ROW_COLUMNS, version=version)
-    if not len(mine):  # more ranks than rows: this rank has none
-        return pd.DataFrame({c: [] for c in columns})
-    df = read_partition(
-        uri, req.run_id, req.iteration, version=version, columns=columns, filters=pc.field("rollout_id").isin(mine)
-    )
+    # more ranks than rows: this rank's `mine` is empty, so are its rows (the columns still there)
+    df = read_advantage_rows(uri, req.run_id, req.iteration, version, list(ROW_COLUMNS), mine)
     return df.sort_values("rollout_id").reset_index(drop=True)
 
 

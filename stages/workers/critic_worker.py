@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from stages.io.store import present_columns, read_partition
+from stages.advantage_rows import read_advantage_rows
+from stages.io.store import read_partition
 from stages.train.critic import run_critic_update, update_rows, values_frame
 from stages.workers.group import Worker
 from stages.workers.requests import CriticUpdateRequest
@@ -50,14 +51,13 @@ class CriticWorker(Worker):
 
 
 ADVANTAGE_COLUMNS = ["rollout_id", "prompt_token_ids", "response_token_ids", "returns", "response_mask"]
-"""What the critic update reads of the advantages table (response_mask: when the table has it)."""
+"""What the critic update reads of the advantages rows (response_mask: when the rollouts have it)."""
 
 
 def critic_rows(req: CriticUpdateRequest) -> dict:
     """The critic-update rows (stages.train.critic.update_rows) of req's advantages and values partitions, read at
     their recorded versions, only the columns the update uses."""
     uri, version, part = req.advantages_uri, req.advantages_version, (req.run_id, req.iteration)
-    columns = present_columns(uri, ADVANTAGE_COLUMNS, version=version)
-    advantages = read_partition(uri, *part, version=version, columns=columns)
+    advantages = read_advantage_rows(uri, *part, version, ADVANTAGE_COLUMNS)  # tokens and mask joined from rollouts
     values = read_partition(req.values_uri, *part, version=req.values_version, columns=["rollout_id", "values"])
     return update_rows(advantages, values)

@@ -1,6 +1,8 @@
-"""The advantages stage streamed (#36, stages/advantages.py) writes the table the whole-frame computation
-(stages.advantage_table.iteration_advantages) writes, row for row and bit for bit, for every estimator and option, at
-batch sizes that split groups. Real Delta tables under tmp_path."""
+"""The advantages stage streamed (#36, stages/advantages.py) gives the rows the whole-frame computation
+(stages.advantage_table.iteration_advantages) gave, row for row and bit for bit, for every estimator and option, at
+batch sizes that split groups: its table's own columns, and the token and log-prob columns its readers join from
+the rollouts / old / ref / teacher tables (stages.advantage_rows) equal the copies the table held before.
+Real Delta tables under tmp_path."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from deltalake import write_deltalake
 
 from configs.schema import AlgorithmConfig, DistillationConfig, FilterGroupsConfig, KLControlConfig
+from stages.advantage_rows import JOINED, JoinedAdvantages
 from stages.advantage_table import iteration_advantages
 from stages.advantages import Upstream, stream_advantages
 from stages.io import store
@@ -144,8 +147,27 @@ def _whole_frame_table(tmp_path, cfg, up: Upstream) -> pd.DataFrame:
     )
 
 
+def _lineage(up: Upstream) -> dict:
+    """The versions the advantages asset records (its inputs'), which its readers join at."""
+    parts = {"rollouts": up.scored.rollouts, "old_logprobs": up.old, "ref_logprobs": up.ref}
+    parts |= {"teacher_logprobs": up.teacher, "values": up.values}
+    return {"upstream": {t: p.version for t, p in parts.items() if p is not None}}
+
+
+def _stream(cfg, up: Upstream, tmp_path, **kw):
+    return stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage=_lineage(up), **kw)
+
+
+def _rows(tmp_path, version: int) -> pd.DataFrame:
+    """The streamed table's rows as its readers see them (the joined columns from their tables); the table itself
+    holds none of them."""
+    part = Partition(str(tmp_path / "advantages"), RUN, 1, version)
+    assert not set(JOINED) & set(part.columns())
+    return JoinedAdvantages.of(part).read()
+
+
 def _assert_same(streamed: pd.DataFrame, whole: pd.DataFrame) -> None:
-    assert list(streamed.columns) == list(whole.columns)
+    assert sorted(streamed.columns) == sorted(whole.columns)
     for column in whole.columns:  # repr: exact floats, NaN == NaN, list against list
         a = [repr(np.asarray(v).tolist()) for v in streamed[column]]
         b = [repr(np.asarray(v).tolist()) for v in whole[column]]
@@ -157,9 +179,9 @@ def _assert_same(streamed: pd.DataFrame, whole: pd.DataFrame) -> None:
 def test_streamed_table_equals_the_whole_frame_one(tmp_path, case: str, batch_rows: int | None) -> None:
     cfg = _cfg(CASES[case])
     up = _upstream(tmp_path, cfg.algorithm)
-    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=batch_rows)
+    run = _stream(cfg, up, tmp_path, batch_rows=batch_rows)
     assert run.mode == "streamed"
-    streamed = _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version))
+    streamed = _rows(tmp_path, run.version)
     whole = _whole_frame_table(tmp_path, cfg, up)
     _assert_same(streamed, whole)
     assert run.dropped == 1  # reward[9] is NaN
@@ -183,9 +205,9 @@ def test_joined_tables_in_rollout_order_are_merged_batch_by_batch(
         raise AssertionError(f"{self.uri} read whole")
 
     monkeypatch.setattr(Partition, "arrow", no_whole_read)
-    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=batch_rows)
+    run = _stream(cfg, up, tmp_path, batch_rows=batch_rows)
     assert run.mode == "streamed"
-    _assert_same(_read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), whole)
+    _assert_same(_rows(tmp_path, run.version), whole)
 
 
 def test_out_of_order_partition_with_group_filter_falls_back_to_the_whole_frame(tmp_path) -> None:
@@ -193,21 +215,17 @@ def test_out_of_order_partition_with_group_filter_falls_back_to_the_whole_frame(
     in today's row order, so the stage takes the explicit whole-frame path, with the same table."""
     cfg = _cfg(CASES["grpo_filter_groups"])
     up = _upstream(tmp_path, cfg.algorithm, shuffled=True)
-    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=4)
+    run = _stream(cfg, up, tmp_path, batch_rows=4)
     assert run.mode == "whole-frame"
-    _assert_same(
-        _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), _whole_frame_table(tmp_path, cfg, up)
-    )
+    _assert_same(_rows(tmp_path, run.version), _whole_frame_table(tmp_path, cfg, up))
 
 
 def test_shuffled_partition_without_filter_streams(tmp_path) -> None:
     cfg = _cfg(CASES["grpo"])
     up = _upstream(tmp_path, cfg.algorithm, shuffled=True)
-    run = stream_advantages(cfg, up, str(tmp_path / "advantages"), lineage={}, batch_rows=4)
+    run = _stream(cfg, up, tmp_path, batch_rows=4)
     assert run.mode == "streamed"
-    _assert_same(
-        _read(Partition(str(tmp_path / "advantages"), RUN, 1, run.version)), _whole_frame_table(tmp_path, cfg, up)
-    )
+    _assert_same(_rows(tmp_path, run.version), _whole_frame_table(tmp_path, cfg, up))
 
 
 def test_missing_old_logprobs_rows_name_the_rollouts(tmp_path) -> None:
