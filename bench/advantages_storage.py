@@ -88,7 +88,9 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mb = " | ".join(f"{r[f'{t}_mb']:.1f}" for t in ("rollouts", "scored_rollouts", "old_logprobs"))
-        print(f"| {Path(r['tree']).name} | {r['rows']} | {mb} | **{r['advantages_mb']:.1f}** | {r['advantages_s']:.1f} |")
+        print(
+            f"| {Path(r['tree']).name} | {r['rows']} | {mb} | **{r['advantages_mb']:.1f}** | {r['advantages_s']:.1f} |"
+        )
     return 0
 
 
