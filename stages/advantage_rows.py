@@ -117,6 +117,13 @@ def read_advantage_rows(
     return df[[c for c in columns if c in df.columns]]
 
 
+def advantage_frame(uri: str, run_id: str, iteration: int, version: int | None = None) -> pd.DataFrame:
+    """The whole partition as the old layout held it: the table's own columns and every joined column (for
+    inspection and tests; the update ranks read their rows only: read_advantage_rows with `ids`)."""
+    own = [c for c in store.present_columns(uri, None, version=version) if c not in ("run_id", "iteration")]
+    return read_advantage_rows(uri, run_id, iteration, version, list(dict.fromkeys([*own, *JOINED])))
+
+
 @dataclass(frozen=True)
 class JoinedAdvantages:
     """Partition `advantages` of the advantages table with its joined columns (see the module), streamed. It offers

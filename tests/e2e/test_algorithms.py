@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from stages.advantage_rows import advantage_frame
 from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -47,7 +48,10 @@ class Run:
         self.out, self.run_id = out, run_id
 
     def table(self, name: str, it: int):
-        return store.read_partition(str(self.out / "tables" / name), self.run_id, it)
+        uri = str(self.out / "tables" / name)
+        if name == "advantages":  # its rows with the columns joined from rollouts and the log-prob tables
+            return advantage_frame(uri, self.run_id, it)
+        return store.read_partition(uri, self.run_id, it)
 
     def metrics(self, key: str) -> list[float]:
         client = MlflowClient(tracking_uri=f"sqlite:///{self.out / 'mlflow.db'}")

@@ -14,9 +14,11 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from deltalake import DeltaTable
 
+from stages.advantage_rows import advantage_frame
 from tests.shared_run import RUN as TEACHER_RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -64,7 +66,9 @@ def test_teacher_table_feeds_the_advantages_and_the_reverse_kl_falls(distill_run
     out, _ = distill_run
     tables = out / "tables"
     teacher = DeltaTable(str(tables / "teacher_logprobs")).to_pandas(filters=[("run_id", "=", RUN)])
-    adv = DeltaTable(str(tables / "advantages")).to_pandas(filters=[("run_id", "=", RUN)])
+    adv = pd.concat(  # the rows with the columns joined from the teacher and old log-prob tables
+        [advantage_frame(str(tables / "advantages"), RUN, it).assign(iteration=it) for it in (0, 1)], ignore_index=True
+    )
     assert sorted(teacher["iteration"].unique()) == [0, 1] and len(teacher) == len(adv) == 2 * 32
     merged = adv.merge(teacher, on=["iteration", "rollout_id"], suffixes=("", "_table"))
     assert all(list(a) == list(b) for a, b in zip(merged["teacher_logprobs"], merged["teacher_logprobs_table"]))

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from stages.advantage_rows import advantage_frame
 from stages.io import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -27,6 +28,8 @@ def trained(tmp_path_factory, ray_session):
 
 
 def read(out, table: str, it: int):
+    if table == "advantages":  # its rows with the columns joined from rollouts (response_mask)
+        return advantage_frame(str(out / "tables" / table), RUN, it)
     return store.read_partition(str(out / "tables" / table), RUN, it)
 
 
