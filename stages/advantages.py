@@ -20,7 +20,7 @@ stages.advantage_table.compute_advantage_table turns whole frames (every token l
    outputs, one Parquet file per batch, ONE Delta commit (stage_exec.write_frames). The list columns reach the
    writer as Arrow buffers (token_advantages and returns built from numpy), never as Python lists. The table
    holds what this stage computes; the rows' token columns and old/ref/teacher log-probs stay in their tables,
-   which its readers join by rollout_id (stages/advantage_rows.py; the commit records `joins`).
+   which its readers join by rollout_id (stages/io/advantage_rows.py; the commit records `joins`).
 
 Whole-frame fallback, explicit: when the kept order is not the scored partition's stream order (DAPO's filter
 sorts by rollout_id, a partition Ray Data wrote out of that order), one streamed pass cannot write today's row
@@ -39,7 +39,6 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
-from stages.advantage_rows import JOINED, with_joins
 from stages.advantage_table import (
     distilled,
     drop_flagged_rollouts,
@@ -58,6 +57,7 @@ from stages.algos.advantages import (
     outcome_to_token_rewards,
 )
 from stages.filter_groups import select_training_groups, split_baseline_rows
+from stages.io.advantage_rows import JOINED, with_joins
 from stages.io.stage_exec import BATCH_ROWS, MergeTake, Partition, stream_places, write_frames
 from stages.train.batching import loss_mask, row_masks
 

@@ -13,13 +13,13 @@ import pyarrow.compute as pc
 import torch
 
 from configs.schema import RunConfig
-from stages.advantage_rows import JoinedAdvantages
 from stages.advantages import join
 from stages.algos.critic_moments import CriticDataMoments
 from stages.algos.probs_diff import PROBS_DIFF_KEYS
 from stages.algos.val_metrics import process_validation_metrics, val_metric_names
 from stages.dag import STEP_TIMINGS
 from stages.filter_groups import split_baseline_rows
+from stages.io.advantage_rows import JoinedAdvantages
 from stages.io.stage_exec import Partition
 from stages.train.batching import is_null, loss_mask, row_masks
 

@@ -22,14 +22,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from stages.io.stage_exec import MergeTake, Partition, stream_places
+from stages.io.stage_exec import MergeTake, Partition, stream_ids, stream_places
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS
-
-
-def stream_ids(part: Partition, batch_rows: int | None = None) -> np.ndarray:
-    """The partition's rollout_ids in stream order (one column read)."""
-    ids = [b["rollout_id"].to_numpy() for b in part.record_batches(["rollout_id"], batch_rows)]
-    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True)

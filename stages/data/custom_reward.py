@@ -236,7 +236,9 @@ def parse_extra_info(value: Any) -> dict:
     """A row's extra_info as the dict verl passes: the prompts table's JSON text parsed, {} when absent."""
     if isinstance(value, Mapping):
         return dict(value)
-    if value is None or (isinstance(value, float) and value != value) or value == "":
+    if value is None or type(value).__name__ == "NAType" or (isinstance(value, float) and value != value):
+        return {}  # NAType: pandas' NA, how a null arrives in a batch Ray Data hands over (no pandas import here)
+    if value == "":
         return {}
     parsed = json.loads(value)
     return parsed if isinstance(parsed, dict) else {"value": parsed}

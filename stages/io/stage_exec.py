@@ -206,6 +206,12 @@ class Partition:
         return [c for c in schema.names if c not in dataset_io.KEYS]
 
 
+def stream_ids(part: Partition, batch_rows: int | None = None) -> np.ndarray:
+    """The partition's rollout_ids in stream order (one column read)."""
+    ids = [b["rollout_id"].to_numpy() for b in part.record_batches(["rollout_id"], batch_rows)]
+    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+
 def stream_places(ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(each wanted id's place in `ids`, a table's key column in stream order; whether it is there at all)."""
     order = np.argsort(ids, kind="stable")

@@ -106,7 +106,7 @@ ADVANTAGE_JOINS: dict[str, tuple[str, ...]] = {
     "teacher_logprobs": ("teacher_logprobs",),
 }
 """table -> its columns the readers of `advantages` join by rollout_id at the version the advantages commit read
-(stages/advantage_rows.py; #36: stored once). An advantages partition written before holds copies of them
+(stages/io/advantage_rows.py; #36: stored once). An advantages partition written before holds copies of them
 (ADVANTAGE_COPIES), which its readers take as they are."""
 
 SCHEMAS: dict[str, pa.Schema] = {

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ActorConfig, LoraConfig, OptimConfig
 from stages import seeds
-from stages.advantage_rows import read_advantage_rows
+from stages.io.advantage_rows import read_advantage_rows
 from stages.io.checkpoints import (
     CHECKPOINT_ID,
     checkpoint_identity,
@@ -102,7 +102,7 @@ ROW_COLUMNS = (
     "old_logprobs",
 )
 """The advantages rows' columns the update reads (those there are): the token and log-prob columns are joined
-from their tables (stages.advantage_rows)."""
+from their tables (stages.io.advantage_rows)."""
 
 
 def rank_partition(req: UpdateRequest, rank: int, world: int) -> pd.DataFrame:
@@ -110,7 +110,7 @@ def rank_partition(req: UpdateRequest, rank: int, world: int) -> pd.DataFrame:
     rollout_id order: the partition's rollout ids first (one column), then only this rank's rows
     (stages.train.ppo_loop.shard_for_rank of the sorted ids) and only the ROW_COLUMNS there are, those of the
     rollouts and log-prob tables joined by rollout_id from the same ids' rows of their recorded versions
-    (stages.advantage_rows.read_advantage_rows). Each rank reads its shard, never the whole partition."""
+    (stages.io.advantage_rows.read_advantage_rows). Each rank reads its shard, never the whole partition."""
     uri, version = req.advantages_uri, req.advantages_version
     ids = read_partition(uri, req.run_id, req.iteration, version=version, columns=["rollout_id"])["rollout_id"]
     ids = ids.sort_values().to_numpy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from stages.advantage_rows import read_advantage_rows
+from stages.io.advantage_rows import read_advantage_rows
 from stages.io.store import read_partition
 from stages.train.critic import run_critic_update, update_rows, values_frame
 from stages.workers.group import Worker

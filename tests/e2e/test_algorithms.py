@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from stages.advantage_rows import advantage_frame
 from stages.io import store
+from stages.io.advantage_rows import advantage_frame
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

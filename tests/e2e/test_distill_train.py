@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from deltalake import DeltaTable
 
-from stages.advantage_rows import advantage_frame
+from stages.io.advantage_rows import advantage_frame
 from tests.shared_run import RUN as TEACHER_RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from stages.advantage_rows import advantage_frame
 from stages.io import store
+from stages.io.advantage_rows import advantage_frame
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 RUN = "mt-run"

@@ -1,6 +1,6 @@
 """The rows the update ranks, the critic and iteration_metrics read of an advantages partition are the same whether
 the partition holds copies of the token and log-prob columns (written before #36) or joins them by rollout_id from
-the rollouts / old_logprobs / ref_logprobs / teacher_logprobs partitions its commit read (stages/advantage_rows.py).
+the rollouts / old_logprobs / ref_logprobs / teacher_logprobs partitions its commit read (stages/io/advantage_rows.py).
 Real Delta tables under tmp_path; the advantages table holds no joined column."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs.schema import ActorConfig, CriticConfig, RolloutCorrectionConfig
-from stages.advantage_rows import JOINED, JoinedAdvantages, read_advantage_rows
 from stages.io import store
+from stages.io.advantage_rows import JOINED, JoinedAdvantages, read_advantage_rows
 from stages.io.stage_exec import Partition
 from stages.workers.actor_worker import ROW_COLUMNS, rank_partition, read_rows
 from stages.workers.critic_worker import ADVANTAGE_COLUMNS

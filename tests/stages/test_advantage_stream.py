@@ -1,7 +1,7 @@
 """The advantages stage streamed (#36, stages/advantages.py) gives the rows the whole-frame computation
 (stages.advantage_table.iteration_advantages) gave, row for row and bit for bit, for every estimator and option, at
 batch sizes that split groups: its table's own columns, and the token and log-prob columns its readers join from
-the rollouts / old / ref / teacher tables (stages.advantage_rows) equal the copies the table held before.
+the rollouts / old / ref / teacher tables (stages.io.advantage_rows) equal the copies the table held before.
 Real Delta tables under tmp_path."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 from deltalake import write_deltalake
 
 from configs.schema import AlgorithmConfig, DistillationConfig, FilterGroupsConfig, KLControlConfig
-from stages.advantage_rows import JOINED, JoinedAdvantages
 from stages.advantage_table import iteration_advantages
 from stages.advantages import Upstream, stream_advantages
 from stages.io import store
+from stages.io.advantage_rows import JOINED, JoinedAdvantages
 from stages.io.stage_exec import Partition, write_frames
 from stages.scored_tokens import ScoredRollouts
 

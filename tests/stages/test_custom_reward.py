@@ -167,6 +167,11 @@ def test_rows_without_extra_info_pass_an_empty_dict(tmp_path) -> None:
     )
     out = score_rollouts(_rollouts(3, with_extra_info=False), _cfg(path), use_ray=False)  # an older rollouts table
     assert out["n_keys"].tolist() == [0.0, 0.0, 0.0]
+    # a null in a batch Ray Data hands over (pandas' NA, as in a string column with a missing value) is no dict
+    rows = _rollouts(3).astype({"extra_info": "string"})
+    rows.loc[1, "extra_info"] = pd.NA
+    out = score_rollouts(rows, _cfg(path), use_ray=False)
+    assert out["n_keys"].tolist()[1] == 0.0 and out["reward"].notna().all()
 
 
 def test_a_plain_float_return_has_no_extra_columns_and_the_version_follows_the_source(tmp_path) -> None:

@@ -26,9 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.io import store, uris
-from stages.io.stage_exec import MergeTake, Partition, stream_places
+from stages.io.stage_exec import MergeTake, Partition, stream_ids, stream_places
 from stages.io.tables import ADVANTAGE_JOINS
-from stages.scored_tokens import stream_ids
 
 JOINED = {c: table for table, columns in ADVANTAGE_JOINS.items() for c in columns}
 """joined column -> its table."""
