@@ -11,12 +11,9 @@ and the stage's seconds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,23 +64,9 @@ def main() -> int:
         sys.path[:0] = [os.getcwd(), str(Path(__file__).parent)]
         Path(result).write_text(json.dumps(one(int(n), int(tokens), work)))
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", default="10000,50000")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--tree", action="append", help="a code tree to run (default: this checkout); repeatable")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args()
-    rows = []
-    for n in [int(s) for s in args.rollouts.split(",")]:
-        for tree in args.tree or [str(HERE)]:
-            with tempfile.TemporaryDirectory(prefix="rlake-adv-") as work:
-                result = Path(work) / "result.json"
-                cmd = [sys.executable, __file__, "--one", str(n), str(args.tokens), work, str(result)]
-                subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": tree}, cwd=tree)
-                rows.append({"tree": tree, **json.loads(result.read_text())})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    from scored_storage import per_tree, storage_args
+
+    rows = per_tree(__file__, storage_args(__doc__), "rlake-adv-")
     print("| tree | rollouts | rollouts MB | scored_rollouts MB | old_logprobs MB | **advantages MB** | advantages s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

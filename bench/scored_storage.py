@@ -75,29 +75,40 @@ def one(n: int, tokens: int, work: str) -> dict:
             "score_s": seconds}  # fmt: skip
 
 
+def storage_args(doc: str) -> argparse.Namespace:
+    """The command line of the storage benchmarks (this one, bench/advantages_storage.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rollouts", default="10000,50000")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tree", action="append", help="a code tree to run (default: this checkout); repeatable")
+    parser.add_argument("--json", help="write the rows here")
+    return parser.parse_args()
+
+
+def per_tree(script: str, args: argparse.Namespace, prefix: str) -> list[dict]:
+    """One fresh process per size and code tree (`script --one N TOKENS WORK RESULT`, run in the tree with it as
+    PYTHONPATH): the rows they report, each printed as it comes, written to --json when given."""
+    rows = []
+    for n in [int(s) for s in args.rollouts.split(",")]:
+        for tree in args.tree or [str(HERE)]:
+            with tempfile.TemporaryDirectory(prefix=prefix) as work:
+                result = Path(work) / "result.json"
+                cmd = [sys.executable, script, "--one", str(n), str(args.tokens), work, str(result)]
+                subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": tree}, cwd=tree)
+                rows.append({"tree": tree, **json.loads(result.read_text())})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         n, tokens, work, result = sys.argv[2:6]
         sys.path.insert(0, os.getcwd())
         Path(result).write_text(json.dumps(one(int(n), int(tokens), work)))
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", default="10000,50000")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--tree", action="append", help="a code tree to run (default: this checkout); repeatable")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args()
-    rows = []
-    for n in [int(s) for s in args.rollouts.split(",")]:
-        for tree in args.tree or [str(HERE)]:
-            with tempfile.TemporaryDirectory(prefix="rlake-scored-") as work:
-                result = Path(work) / "result.json"
-                cmd = [sys.executable, __file__, "--one", str(n), str(args.tokens), work, str(result)]
-                subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": tree}, cwd=tree)
-                rows.append({"tree": tree, **json.loads(result.read_text())})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    rows = per_tree(__file__, storage_args(__doc__), "rlake-scored-")
     print("| tree | rollouts | rollouts partition MB | **scored_rollouts partition MB** | scoring stage s |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
