@@ -4,7 +4,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import checkpoint_metrics, timed
+from assets.common import checkpoint_metrics, read_recorded, timed
 from assets.resources import RolloutStoreResource
 from assets.stage_assets import StageRun
 from stages.dag import ITERATION, uses_critic
@@ -77,8 +77,7 @@ def validation(run: StageRun, new_dir) -> tuple[dict | None, dict[str, float]]:
         return None, {}
     with timed() as t:
         run.ray.ensure()
-        prompts, _ = run.rollout_store.read("prompts", cfg.run_id, PROMPTS_ITERATION,
-                                            version=run.partition("prompts", PROMPTS_ITERATION).version)  # fmt: skip
+        prompts, _ = read_recorded(run.context, run.rollout_store, "prompts", cfg.run_id, PROMPTS_ITERATION)
         tok = load_tokenizer(run.model_store.for_run(cfg.run_id).fetch_tokenizer(it + 1))
         val = validation_rollouts(str(new_dir), prompts[prompts["split"] == "val"], tok, cfg)
         summary = validation_summary(val)
