@@ -5,7 +5,8 @@ Flow: assets/scored_rollouts.py `materialize` -> `score_partition` -> `score_rol
 stages/scored_rollouts.py) -> when reward.reward_model.enable, `reward_model_scores(cfg, rollouts)`, which
 splits the rollouts over the run's "reward_model" worker group and calls `RewardModelWorker.compute_rm_score`
 (stages/workers/reward_model_worker.py: tokenization, truncation, the score at the last token) on each
-rank; the workers load the model once and keep it for the whole run -> `combine_rm_scores`.
+rank; the workers load the model once and keep it for the whole run -> `combine_rm_scores`. Of the rollouts'
+token columns the stage reads only the ones the RM reads (`reward_model_reads`: the policy's token ids, or none).
 
 Choices:
 - combine='replace' is verl's behaviour: with `rm_scores` in the batch, verl's reward managers (naive,
@@ -40,7 +41,7 @@ from stages.models.smollm2 import resolve_model_path
 from stages.models.tiny import build_char_tokenizer
 from stages.workers.group import WorkerGroup, engine_threads, worker_group
 from stages.workers.placement import GpuPool
-from stages.workers.reward_model_worker import RewardModelWorker
+from stages.workers.reward_model_worker import POLICY_ID_READS, TEXT_READS, RewardModelWorker
 from stages.workers.sharded import local_group, sharded_call
 from stages.workers.tasks import MAX_ACTOR_RESTARTS
 
@@ -89,6 +90,15 @@ def shares_policy_tokenizer(cfg: RunConfig) -> bool:
     )
     rm_vocab = load_tokenizer(cfg.reward.reward_model.model_path).get_vocab()
     return all(rm_vocab.get(token) == i for token, i in policy.get_vocab().items())
+
+
+def reward_model_reads(cfg: RunConfig) -> tuple[str, ...]:
+    """The rollouts columns reward_model_scores reads (RewardModelWorker.compute_rm_score): rollout_id and the
+    policy's prompt_token_ids and response_token_ids when the RM shares the policy's tokenizer (POLICY_ID_READS),
+    else prompt_text, response_text and finish_reason (TEXT_READS); never rollout_logprobs, response_mask or turns.
+    A model_path that is no reward-model checkpoint fails here (check_reward_model_dir), before any read."""
+    check_reward_model_dir(cfg.reward.reward_model.model_path)
+    return POLICY_ID_READS if shares_policy_tokenizer(cfg) else TEXT_READS
 
 
 def _worker_kwargs(cfg: RunConfig) -> dict:

@@ -51,7 +51,7 @@ from stages.data.rewards import Scorer, scorer_for
 from stages.io.stage_exec import Lineage, Partition, StageRun, run_table_stage
 from stages.io.tables import ROLLOUT_TOKEN_COLUMNS, SCHEMAS
 from stages.judgements import combine_judge_scores
-from stages.reward_model import combine_rm_scores, reward_model_scores
+from stages.reward_model import combine_rm_scores, reward_model_reads, reward_model_scores
 from stages.workers.tasks import map_with_tasks
 
 _OWN_COLUMNS = frozenset(SCHEMAS["scored_rollouts"].names) | frozenset(ROLLOUT_TOKEN_COLUMNS)
@@ -273,10 +273,10 @@ class ModelScores:
     judgements: pd.DataFrame | None = None
 
     @property
-    def reads_rollout_columns(self) -> bool:
-        """Whether __call__ reads `rows`: the reward model does (their token ids, or their texts); the judge's
-        combination reads the scored block only (rollout_id, reward, overlong_penalty)."""
-        return self.cfg.reward.reward_model.enable
+    def rollout_columns(self) -> tuple[str, ...]:
+        """The columns of `rows` __call__ reads: the reward model's (reward_model_reads: their token ids, or their
+        texts); the judge's combination reads the scored block only (rollout_id, reward, overlong_penalty)."""
+        return reward_model_reads(self.cfg) if self.cfg.reward.reward_model.enable else ()
 
     def __call__(self, scored: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
         if self.cfg.reward.reward_model.enable:  # a discriminative reward model (stages/reward_model.py)
@@ -320,11 +320,12 @@ def score_partition(
     scored_rollouts at `target_uri` in one commit; in this process, or on Ray Data from `data_min_rows` rows.
     Only the data_source column is read here whole (the checks of reward_stage). `then` (ModelScores): each block
     also goes to the reward model's or judge's combination, in this process (it calls the run's model groups).
-    The token columns are not read unless `then` reads the rollouts (a reward model): scored_columns."""
+    Of the token columns only those `then` reads are (its rollout_columns: a reward model's ids; a `then` that does
+    not say which gets every column): scored_columns."""
     part = Partition(source_uri, run_id, iteration, version)
     sources = part.read(["data_source"])["data_source"].unique()
     stage = reward_stage(reward_cfg, sources, max_response_length=max_response_length)
-    reads_rows = then is not None and getattr(then, "reads_rollout_columns", True)
+    reads = () if then is None else getattr(then, "rollout_columns", None)
     return run_table_stage(
         ScoreBatch(stage, then),
         source_uri,
@@ -335,7 +336,7 @@ def score_partition(
         version=version,
         lineage=lineage,
         data_min_rows=data_min_rows if then is None else None,
-        columns=None if reads_rows else scored_columns(part.columns()),
+        columns=None if reads is None else scored_columns(part.columns(), reads),
     )
 
 
@@ -353,10 +354,11 @@ entry-point function's four arguments (_verl_rows: never the row), prompt_id (an
 (overlong shaping). No token column."""
 
 
-def scored_columns(rollouts_columns: list[str]) -> list[str]:
-    """The columns of a rollouts table the stage reads without a reward model: all but ROLLOUT_TOKEN_COLUMNS, as
-    scored_rollouts copies every other column of a rollout (they hold SCORER_READS; check_extra_keys sees each)."""
-    return [c for c in rollouts_columns if c not in ROLLOUT_TOKEN_COLUMNS]
+def scored_columns(rollouts_columns: list[str], also: tuple[str, ...] = ()) -> list[str]:
+    """The columns of a rollouts table the stage reads, in its order: all but ROLLOUT_TOKEN_COLUMNS, as scored_rollouts
+    copies every other column of a rollout (they hold SCORER_READS; check_extra_keys sees each), and the token
+    columns in `also` (ModelScores.rollout_columns: a reward model's prompt_token_ids, response_token_ids)."""
+    return [c for c in rollouts_columns if c not in ROLLOUT_TOKEN_COLUMNS or c in also]
 
 
 def typed_extras(scored: pd.DataFrame) -> pd.DataFrame:

@@ -43,8 +43,15 @@ def load_reward_model(model_dir: str | Path) -> tuple:
     return model.eval(), tok
 
 
+POLICY_ID_READS = ("rollout_id", "prompt_token_ids", "response_token_ids")
+"""The rollouts columns compute_rm_score reads with reuse_policy_ids: the policy's ids (rm_input_ids)."""
+TEXT_READS = ("rollout_id", "prompt_text", "response_text", "finish_reason")
+"""The rollouts columns compute_rm_score reads without: the texts, re-tokenized, and the eos after a 'stop'."""
+
+
 def rm_input_ids(batch: pd.DataFrame, tok, *, reuse_policy_ids: bool, max_length: int) -> list[list[int]]:
-    """The reward model's token ids of each rollout of the batch, in its order (see the module docstring)."""
+    """The reward model's token ids of each rollout of the batch, in its order (see the module docstring); the
+    batch needs POLICY_ID_READS (reuse_policy_ids) or TEXT_READS, no other column."""
     out = []
     for i in range(len(batch)):
         row = batch.iloc[i]
@@ -92,7 +99,8 @@ class RewardModelWorker(Worker):
         return self.model_loads
 
     def compute_rm_score(self, batch: pd.DataFrame) -> pd.DataFrame:
-        """Rows (rollout_id, rm_score) of the batch's rollouts, in its order."""
+        """Rows (rollout_id, rm_score) of the batch's rollouts, in its order; it reads POLICY_ID_READS
+        (reuse_policy_ids) or TEXT_READS of the batch."""
         seqs = rm_input_ids(batch, self.tokenizer, reuse_policy_ids=self.reuse_policy_ids, max_length=self.max_length)
         pad = self.model.config.pad_token_id
         scores: list[float] = []

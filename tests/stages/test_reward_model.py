@@ -1,7 +1,8 @@
 """The reward-model stage on a real tiny RM (a Qwen2ForSequenceClassification built in-process): fixed
 scores per seed, the score is the head's logit at the last token (checked by hand through Ray), the
-workers load the model once per run, replace / add by hand, and a checkpoint without a one-label head
-fails in preflight with a what / why / fix message."""
+workers load the model once per run, replace / add by hand, the scored_rollouts stage reads only the rollouts
+columns it keeps and the RM's own, and a checkpoint without a one-label head fails in preflight with a what / why /
+fix message."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from configs.schema import load_config
+from stages import scored_rollouts
+from stages.io import store
 from stages.io.checkpoints import CHECKPOINT_ID, model_version
+from stages.io.stage_exec import run_table_stage
 from stages.models.policy import encode_chat, load_tokenizer
 from stages.models.tiny import build_tiny_reward_model
 from stages.reward_model import (
@@ -27,6 +31,7 @@ from stages.reward_model import (
     reward_model_scores,
 )
 from stages.run.preflight import preflight
+from stages.scored_rollouts import ModelScores, ScoreBatch, reward_stage, score_partition
 from stages.workers.reward_model_worker import RewardModelWorker, rm_input_ids
 
 CI = "configs/ci_tiny.yaml"
@@ -61,6 +66,30 @@ def _rollouts(rm_dir, n: int = 6) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def _table_rows(rm_dir, n: int = 8) -> pd.DataFrame:
+    """_rollouts as a rollouts partition holds them: every column of the table filled (rollout_logprobs, a
+    response_mask on some rows, a multi-turn `turns` on one), two samples per prompt, half of them correct."""
+    df = _rollouts(rm_dir, n)
+    k = df["response_token_ids"].map(len).to_numpy()
+    turn = {"turn_index": 0, "role": "assistant", "token_start": 0, "token_end": 1, "text": "#"}
+    return df.assign(
+        policy_version=0,
+        prompt_id=np.arange(n) // 2,
+        group_id=np.arange(n) // 2,
+        sample_index=np.arange(n) % 2,
+        data_source="openai/gsm8k",
+        ground_truth=[t.removeprefix("#### ") if i % 2 == 0 else "7" for i, t in enumerate(df["response_text"])],
+        extra_info=None,
+        rollout_logprobs=[[-0.5] * m for m in k],
+        response_mask=[[1] * m if i % 3 == 0 else None for i, m in enumerate(k)],
+        response_length=k.astype(np.int32),
+        engine="hf",
+        engine_sync="build",
+        engine_weights_fingerprint="f",
+        turns=[[turn] if i == 0 else None for i in range(n)],
+    )
 
 
 def _score_by_hand(rm_dir, ids: list[int]) -> float:
@@ -134,6 +163,51 @@ def test_text_path_reads_what_the_id_path_reads_for_the_char_tokenizer(tiny_rm) 
     assert rm_input_ids(df, short.tokenizer, reuse_policy_ids=True, max_length=5) == [w[-5:] for w in want]
     got = short.compute_rm_score(df)["rm_score"].iloc[1]
     assert got == pytest.approx(_score_by_hand(tiny_rm, want[1][-5:]), abs=1e-5)
+
+
+@pytest.mark.ray
+def test_the_stage_reads_only_the_token_columns_the_reward_model_reads(tiny_rm, ray_session, tmp_path, monkeypatch):
+    """score_partition with the reward model reads the rollouts columns scored_rollouts keeps and, of the token
+    columns, only those the RM reads: prompt_token_ids and response_token_ids when it shares the policy's
+    tokenizer, none when it re-tokenizes the texts (a policy with tool tokens has another vocabulary); never
+    rollout_logprobs, response_mask or turns. It writes the table a read of every column wrote (as it read before)."""
+    src = str(tmp_path / "rollouts")
+    store.write_partition(src, "rollouts", _table_rows(tiny_rm), run_id="rm", iteration=0, lineage={})
+    reads = []
+
+    def spy(*args, columns=None, **kw):  # the real stage executor; records what score_partition asked it to read
+        reads.append(columns)
+        return run_table_stage(*args, columns=columns, **kw)
+
+    monkeypatch.setattr(scored_rollouts, "run_table_stage", spy)
+    kw = {"run_id": "rm", "iteration": 0, "version": None, "lineage": {}}
+    # every rollouts column but the five token columns (scored_rollouts keeps them all; the rule scorer's are among
+    # them), in the table's order, and the RM's ids (RewardModelWorker with reuse_policy_ids) where the policy's
+    # tokenizer is the RM's; with tool tokens the RM reads prompt_text, response_text and finish_reason, kept anyway
+    ids = [
+        "policy_version", "rollout_id", "prompt_id", "group_id", "sample_index", "data_source", "ground_truth",
+        "extra_info", "prompt_text", "prompt_token_ids", "response_token_ids", "response_text", "response_length",
+        "finish_reason", "engine", "engine_sync", "engine_weights_fingerprint", "gen_round", "is_baseline",
+    ]  # fmt: skip
+    texts = [
+        "policy_version", "rollout_id", "prompt_id", "group_id", "sample_index", "data_source", "ground_truth",
+        "extra_info", "prompt_text", "response_text", "response_length", "finish_reason", "engine", "engine_sync",
+        "engine_weights_fingerprint", "gen_round", "is_baseline",
+    ]  # fmt: skip
+    scores = []
+    for extra, want in (((), ids), (("model.tiny.tool_tokens=true",), texts)):
+        cfg, out = _cfg(tiny_rm, *extra), str(tmp_path / f"scored{len(reads)}")
+        score_partition(cfg.reward, src, out, **kw, then=ModelScores(cfg))
+        assert reads[-1] == want
+        every = ScoreBatch(reward_stage(cfg.reward, ["openai/gsm8k"]), ModelScores(cfg))
+        run_table_stage(every, src, out + "_every", "scored_rollouts", **kw)  # columns=None: every column
+        got, was = store.read_partition(out, "rm", 0), store.read_partition(out + "_every", "rm", 0)
+        pd.testing.assert_frame_equal(got, was)
+        assert store.open_table(out).schema().to_arrow() == store.open_table(out + "_every").schema().to_arrow()
+        assert got["rm_score"].notna().all() and set(got["rm_version"]) == {model_version(tiny_rm)}
+        assert got["score"].tolist() == [1.0, 0.1] * 4  # the rule score: even rows right, odd ones format_score
+        scores.append(got["rm_score"].to_numpy())
+    np.testing.assert_allclose(scores[0], scores[1], atol=1e-6)  # the char tokenizer gives the texts' ids back
 
 
 def test_combine_replace_and_add_by_hand() -> None:

@@ -159,7 +159,7 @@ def test_the_token_columns_are_never_read(tmp_path, monkeypatch, request, data_m
     cfg = _cfgs(tmp_path)["custom"]
     judged = pd.DataFrame({"rollout_id": np.arange(30), "judge_score": np.arange(30) / 30.0, "judge_error": None})
     judge = ModelScores(RunConfig(), judged)  # a judge's combination reads the scored block, not the rollouts
-    assert not judge.reads_rollout_columns
+    assert judge.rollout_columns == ()
     for name, then in (("custom", None), ("judge", judge)):
         dmr = data_min_rows if then is None else None  # with `then` the stage runs in-process
         _score(cfg, good, str(tmp_path / f"{name}_good"), data_min_rows=dmr, then=then)
@@ -170,15 +170,13 @@ def test_the_token_columns_are_never_read(tmp_path, monkeypatch, request, data_m
 
 
 def test_a_combination_that_may_read_the_rollouts_gets_every_column(tmp_path) -> None:
-    """A `then` that does not say what it reads (or a reward model's) gets the whole rows: the spoiled token
-    columns fail it."""
+    """A `then` that does not say what it reads gets the whole rows: the spoiled token columns fail it. (A reward
+    model's ModelScores says which: tests/stages/test_reward_model.py.)"""
     src = str(tmp_path / "spoiled")
     store.write_partition(src, "rollouts", _rollouts(8), run_id=RUN, iteration=0, lineage={})
     _spoil_token_columns(src)
     with pytest.raises(OSError):
         _score(RewardConfig(), src, str(tmp_path / "x"), data_min_rows=None, then=lambda scored, rows: scored)
-    rm = RunConfig().model_copy(update={"reward": RewardConfig(reward_model={"enable": True, "model_path": "m"})})
-    assert ModelScores(rm).reads_rollout_columns
 
 
 def test_older_files_without_a_column_score_as_before(tmp_path, monkeypatch) -> None:
