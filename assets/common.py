@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import dagster as dg
@@ -262,3 +264,45 @@ def timed():
         yield box
     finally:
         box["s"] = time.perf_counter() - t0
+
+
+class Background:
+    """Calls that run on threads of their own while the caller goes on: one thread per `lane`, whose calls run one
+    after another in the order submitted, as they would inline (once one raises, the lane's later calls do not run
+    and raise its exception), each in the caller's store.pinned() scope (store.in_this_scope).
+
+    Leaving the `with` block waits for every call, whether the block raised or not; then the first call that raised,
+    in the order submitted, raises its exception again (the block's own, if any, is its __context__), else the
+    block's exception goes on. A call submitted where it used to run inline was submitted before anything the block
+    does after it, so the step still fails with what failed first in the order it ran before."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._calls: list[Future] = []
+        self._last: dict[str, Future] = {}
+
+    def submit(self, lane: str, fn: Callable, *args, **kwargs) -> Future:
+        """fn(*args, **kwargs) on lane `lane`'s thread, after the calls submitted to it before; an argument that is
+        the Future of an earlier call is its result (the earlier call's exception, if it raised)."""
+        if lane not in self._lanes:
+            self._lanes[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlake-{lane}")
+        before = self._last.get(lane)
+
+        def call(*args, **kwargs):
+            if before is not None:
+                before.result()  # done (the lane runs one call at a time): raises if it raised
+            args = [a.result() if isinstance(a, Future) else a for a in args]
+            return fn(*args, **{k: a.result() if isinstance(a, Future) else a for k, a in kwargs.items()})
+
+        self._last[lane] = self._lanes[lane].submit(store.in_this_scope(call), *args, **kwargs)
+        self._calls.append(self._last[lane])
+        return self._last[lane]
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+        for call in self._calls:
+            call.result()

@@ -4,7 +4,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import checkpoint_metrics, read_recorded, timed
+from assets.common import Background, checkpoint_metrics, read_recorded, timed
 from assets.resources import RolloutStoreResource
 from assets.stage_assets import StageRun
 from stages.dag import ITERATION, uses_critic
@@ -20,23 +20,22 @@ from stages.workers.group import worker_placements
 
 def materialize(run: StageRun) -> dg.MaterializeResult:
     """verl-named metrics of the iteration (+ validation every test_freq), to Delta and MLflow. Its tables are
-    done when it runs: each is looked up once (stages.io.store.pinned), not once per read."""
+    done when it runs: each is looked up once (stages.io.store.pinned), not once per read. Once the metrics are
+    measured, the MLflow calls (in the order they were always made) and the `workers` write run on threads of their
+    own while the step writes its table and draws `run_curves`; it returns once all are done, failing with the
+    first error (assets.common.Background)."""
     cfg, it, tracker, store = run.cfg, run.iteration, run.tracker, run.rollout_store
-    with pinned():
+    with pinned(), Background() as bg:
         m, val, read_versions = measure_iteration(run)
-        mlflow_id = tracker.run_for(cfg.run_id, cfg, step=it + 1)
-        tracker.log_metrics(mlflow_id, m, step=it + 1)
+        mlflow_id = bg.submit("mlflow", log_step, tracker, cfg, m, step=it + 1)
         rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})
         v = run.write(rows, upstream=read_versions, policy_version=it + 1, duration_s=0.0)
-        tracker.log_iteration(
-            mlflow_id, store.location, cfg.run_id, it, metrics_version=v, policy_version=it + 1, validation=val
-        )
+        lineage = {"metrics_version": v, "policy_version": it + 1, "validation": val}
+        bg.submit("mlflow", tracker.log_iteration, mlflow_id, store.location, cfg.run_id, it, **lineage)
         run.ray.ensure()  # where the run's workers are now (the recorded placement; SQL over the `workers` table)
-        placed = pd.DataFrame(worker_placements(cfg.run_id))
-        if len(placed):
-            run.write(placed, upstream={}, policy_version=it + 1, table="workers", duration_s=0.0, stage="workers")
+        bg.submit("workers", write_placements, run)
         if it + 1 == cfg.trainer.total_training_steps:  # the run is complete: its validation curve, then FINISHED
-            tracker.end_run(cfg.run_id, "FINISHED", tables_root=store.location)
+            bg.submit("mlflow", tracker.end_run, cfg.run_id, "FINISHED", tables_root=store.location)
         curves = run_curves_markdown(store.location, cfg.run_id)
     return run.result(
         v,
@@ -46,6 +45,22 @@ def materialize(run: StageRun) -> dg.MaterializeResult:
             "run_curves": dg.MetadataValue.md(curves),
         },
     )
+
+
+def log_step(tracker, cfg, metrics: dict[str, float], *, step: int) -> str:
+    """The MLflow run of the rlake run (reopened / its last step set: TrackerResource.run_for), with the iteration's
+    metrics logged at `step`; returns its id."""
+    mlflow_id = tracker.run_for(cfg.run_id, cfg, step=step)
+    tracker.log_metrics(mlflow_id, metrics, step=step)
+    return mlflow_id
+
+
+def write_placements(run: StageRun) -> None:
+    """The iteration's rows of the `workers` table: one per live named worker of the run (worker_placements)."""
+    placed = pd.DataFrame(worker_placements(run.cfg.run_id))
+    if len(placed):
+        policy_version = run.iteration + 1
+        run.write(placed, upstream={}, policy_version=policy_version, table="workers", duration_s=0.0, stage="workers")
 
 
 def measure_iteration(run: StageRun) -> tuple[dict[str, float], dict | None, dict]:

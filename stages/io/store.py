@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -115,7 +115,7 @@ def pinned():
     it runs (iteration_metrics: the iteration's stages are done), so each table costs one look-up, not one per
     read; a remote table found absent stays absent in the scope (one LIST, not one per table_exists) until this
     process opens it (write_partition looks for it again, and opens it once it created it). Scopes nest; per
-    thread."""
+    thread (in_this_scope carries one to another)."""
     outer, outer_absent = getattr(_PINNED, "keys", None), getattr(_PINNED, "absent", None)
     _PINNED.keys = set() if outer is None else outer
     _PINNED.absent = set() if outer_absent is None else outer_absent
@@ -123,6 +123,25 @@ def pinned():
         yield
     finally:
         _PINNED.keys, _PINNED.absent = outer, outer_absent
+
+
+def in_this_scope(fn: Callable) -> Callable:
+    """`fn`, to be called on another thread in this thread's pinned() scope: the two threads share its sets (a
+    table brought up to date by one is up to date for the other, an absent one is absent for both). Outside a
+    scope, `fn` itself: the other thread has none either."""
+    keys, absent = getattr(_PINNED, "keys", None), getattr(_PINNED, "absent", None)
+    if keys is None:
+        return fn
+
+    def scoped(*args, **kwargs):
+        outer, outer_absent = getattr(_PINNED, "keys", None), getattr(_PINNED, "absent", None)
+        _PINNED.keys, _PINNED.absent = keys, absent
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _PINNED.keys, _PINNED.absent = outer, outer_absent
+
+    return scoped
 
 
 def open_table(uri: str, *, version: int | None = None, storage_options: Options = None) -> DeltaTable:
