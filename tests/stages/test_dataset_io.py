@@ -133,3 +133,25 @@ def test_a_failing_block_leaves_the_partition_as_it_was(ray_session, tmp_path) -
         dataset_io.write_partition_dataset(
             ray.data.from_pandas(_metrics(0)), uri, "iteration_metrics", run_id="r", iteration=0, lineage=LINEAGE
         )
+
+
+def test_both_writers_record_row_counts_and_no_column_statistics(ray_session, tmp_path) -> None:
+    # Every commit re-reads every file's statistics (a write's time grew with the run: store.TABLE_CONFIGURATION),
+    # so rlake's tables keep numRecords only. 1000 rows in 4 blocks + 5 rows by the driver: counts 1000 and 5.
+    import json
+
+    import ray
+
+    uri = str(tmp_path / "iteration_metrics")
+    ds = ray.data.from_pandas(_metrics(1000)).repartition(4)
+    v0 = dataset_io.write_partition_dataset(ds, uri, "iteration_metrics", run_id="r", iteration=0, lineage=LINEAGE)
+    store.write_partition(uri, "iteration_metrics", _metrics(5), run_id="r", iteration=1, lineage=LINEAGE)
+    dt = DeltaTable(uri)
+    assert dt.metadata().configuration["delta.dataSkippingNumIndexedCols"] == "0"
+    log = [json.loads(line) for v in (v0, v0 + 1) for line in open(f"{uri}/_delta_log/{v:020d}.json")]
+    stats = [json.loads(e["add"]["stats"]) for e in log if "add" in e]
+    assert len(stats) == 5 and all(not s.get("minValues") and not s.get("nullCount") for s in stats)
+    assert sorted(s["numRecords"] for s in stats) == [5, 250, 250, 250, 250]
+    from stages.io.stage_exec import partition_rows
+
+    assert (partition_rows(uri, "r", 0), partition_rows(uri, "r", 1)) == (1000, 5)
