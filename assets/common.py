@@ -274,9 +274,13 @@ class Background:
     Leaving the `with` block waits for every call, whether the block raised or not; then the first call that raised,
     in the order submitted, raises its exception again (the block's own, if any, is its __context__), else the
     block's exception goes on. A call submitted where it used to run inline was submitted before anything the block
-    does after it, so the step still fails with what failed first in the order it ran before."""
+    does after it, so the step still fails with what failed first in the order it ran before.
 
-    def __init__(self) -> None:
+    threads=False: each call runs when it is submitted, on the caller's thread, as inline code (where the calls wait
+    on nothing, e.g. local files and sqlite, a thread would only contend for the GIL with the caller)."""
+
+    def __init__(self, *, threads: bool = True) -> None:
+        self._threads = threads
         self._lanes: dict[str, ThreadPoolExecutor] = {}
         self._calls: list[Future] = []
         self._last: dict[str, Future] = {}
@@ -284,8 +288,6 @@ class Background:
     def submit(self, lane: str, fn: Callable, *args, **kwargs) -> Future:
         """fn(*args, **kwargs) on lane `lane`'s thread, after the calls submitted to it before; an argument that is
         the Future of an earlier call is its result (the earlier call's exception, if it raised)."""
-        if lane not in self._lanes:
-            self._lanes[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlake-{lane}")
         before = self._last.get(lane)
 
         def call(*args, **kwargs):
@@ -294,6 +296,12 @@ class Background:
             args = [a.result() if isinstance(a, Future) else a for a in args]
             return fn(*args, **{k: a.result() if isinstance(a, Future) else a for k, a in kwargs.items()})
 
+        if not self._threads:
+            done: Future = Future()
+            done.set_result(call(*args, **kwargs))
+            return done
+        if lane not in self._lanes:
+            self._lanes[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlake-{lane}")
         self._last[lane] = self._lanes[lane].submit(store.in_this_scope(call), *args, **kwargs)
         self._calls.append(self._last[lane])
         return self._last[lane]

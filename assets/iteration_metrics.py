@@ -9,9 +9,11 @@ from assets.resources import RolloutStoreResource
 from assets.stage_assets import StageRun
 from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
+from stages.io import uris
 from stages.io.plots import run_curves_markdown
 from stages.io.store import newest_commit, pinned
 from stages.io.tables import PROMPTS_ITERATION
+from stages.io.tracking import is_tracking_server
 from stages.iteration_metrics import validates
 from stages.models.policy import load_tokenizer
 from stages.scored_tokens import ScoredRollouts
@@ -23,9 +25,11 @@ def materialize(run: StageRun) -> dg.MaterializeResult:
     done when it runs: each is looked up once (stages.io.store.pinned), not once per read. Once the metrics are
     measured, the MLflow calls (in the order they were always made) and the `workers` write run on threads of their
     own while the step writes its table and draws `run_curves`; it returns once all are done, failing with the
-    first error (assets.common.Background)."""
+    first error (assets.common.Background). Only when MLflow or the tables are remote: with sqlite and local files
+    there is nothing to wait on, and the threads would only contend for the GIL."""
     cfg, it, tracker, store = run.cfg, run.iteration, run.tracker, run.rollout_store
-    with pinned(), Background() as bg:
+    remote = is_tracking_server(tracker.tracking_uri) or not uris.is_local(store.root)
+    with pinned(), Background(threads=remote) as bg:
         m, val, read_versions = measure_iteration(run)
         mlflow_id = bg.submit("mlflow", log_step, tracker, cfg, m, step=it + 1)
         rows = pd.DataFrame({"policy_version": it + 1, "metric": list(m), "value": list(m.values())})

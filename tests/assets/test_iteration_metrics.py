@@ -71,11 +71,19 @@ def _measured(monkeypatch) -> None:
     monkeypatch.setattr(asset, "worker_placements", lambda run_id: PLACED)
 
 
+@pytest.fixture(params=[True, False], ids=["threads", "inline"])
+def remote(request, monkeypatch) -> bool:
+    """Whether the step sees a remote MLflow (and so uses threads: Background(threads=True)) or sqlite and local
+    files (each call inline, as it always ran)."""
+    monkeypatch.setattr(asset, "is_tracking_server", lambda uri: request.param)
+    return request.param
+
+
 def _threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("rlake-")]
 
 
-def test_the_step_logs_and_writes_what_it_did_inline(tmp_path) -> None:
+def test_the_step_logs_and_writes_what_it_did_inline(tmp_path, remote) -> None:
     """Both iterations' metrics, lineage (the iteration_metrics version written), the `workers` rows and, at the
     last, validation_curve.png and FINISHED; `run_curves` is the figure of the table as written; no thread left."""
     for it in (0, 1):
@@ -83,7 +91,7 @@ def test_the_step_logs_and_writes_what_it_did_inline(tmp_path) -> None:
         out = asset.materialize(run)
         assert out["run_curves"].value == run_curves_markdown(run.rollout_store.location, RUN)
         assert [t for t, _ in run.writes] == ["iteration_metrics", "workers"]
-        assert run.writes[0][1] != run.writes[1][1]  # the workers write on a thread of its own
+        assert (run.writes[0][1] != run.writes[1][1]) == remote  # the workers write on a thread of its own
         assert _threads() == []
     client = MlflowClient(run.tracker.tracking_uri)
     (mlflow_run,) = client.search_runs(
@@ -105,9 +113,10 @@ def test_the_step_logs_and_writes_what_it_did_inline(tmp_path) -> None:
     assert workers["actor_name"].tolist() == [PLACED[0]["actor_name"]]
 
 
-def test_an_mlflow_error_in_the_background_fails_the_step_with_that_error(tmp_path, monkeypatch) -> None:
+def test_an_mlflow_error_in_the_background_fails_the_step_with_that_error(tmp_path, monkeypatch, remote) -> None:
     """MLflow failing on its thread fails the step with the very exception, once the other calls are done; the calls
-    after it on its thread (log_iteration, end_run) fail with it, and the run is not ended."""
+    after it on its thread (log_iteration, end_run) fail with it, and the run is not ended. Inline, the step stops
+    there, as it always did."""
     down = MlflowException("the tracking server is down")
 
     def log_metrics(self, mlflow_run_id, metrics, step):
@@ -120,7 +129,8 @@ def test_an_mlflow_error_in_the_background_fails_the_step_with_that_error(tmp_pa
     with pytest.raises(MlflowException) as failed:
         asset.materialize(run)
     assert failed.value is down
-    assert [t for t, _ in run.writes] == ["iteration_metrics", "workers"]  # joined: the other lane finished
+    written = ["iteration_metrics", "workers"] if remote else []  # joined: the other calls finished
+    assert [t for t, _ in run.writes] == written
     assert ended == [] and _threads() == []
 
 
@@ -157,3 +167,15 @@ def test_background_calls_get_earlier_results_and_the_callers_pinned_scope() -> 
     assert isinstance(first, Future) and doubled.result() == 4
     assert scope.result() is mine  # the same set: a table brought up to date on one thread is on the other
     assert getattr(store._PINNED, "keys", None) is None
+
+
+def test_background_without_threads_runs_each_call_when_submitted() -> None:
+    def boom():
+        raise RuntimeError("at once")
+
+    with Background(threads=False) as bg:
+        first = bg.submit("a", lambda: threading.current_thread().name)
+        assert first.done() and first.result() == threading.current_thread().name
+        assert bg.submit("b", lambda x: x + "!", first).result() == first.result() + "!"
+        with pytest.raises(RuntimeError, match="at once"):
+            bg.submit("a", boom)
