@@ -11,7 +11,8 @@ write with lineage, metadata) and reports its RSS after imports, each step's own
 when the step begins) and seconds per part; a third runs the iteration_metrics step alone (its footprint).
 --iterations: grows a run's tables (tiny_cpu's GRPO DAG) one small partition per table per iteration (real writes
 with lineage, MLflow metrics and dataset inputs), and at each N times iteration N's bookkeeping by call site
-(--repeat k: k iterations from N on, the median of each number).
+(--repeat k: k iterations from N on, the median of each number), and the CPU seconds of all the process's threads
+in it (steadier than wall time on a shared box).
 """
 
 from __future__ import annotations
@@ -369,7 +370,7 @@ def write_iteration(store, cfg: RunConfig, it: int, frames: dict, clock: Clock |
 
 def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
     """Iteration `it`'s bookkeeping by call site (seconds), the Delta opens and history() calls, file counts."""
-    clock, counts = Clock(), count_delta_calls()
+    clock, counts, cpu = Clock(), count_delta_calls(), time.process_time()
     versions = write_iteration(store, cfg, it, frames, clock)
     for table in RECORDED_READS:  # assets/common.py recorded_version: is the recorded version this partition's?
         with clock("recorded_version lineage x9"):
@@ -392,6 +393,7 @@ def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
             mlflow_id, store.location, RUN, it, metrics_version=versions["iteration_metrics"], policy_version=it + 1
         )
     per_iteration, counts = sum(clock.values()), dict(counts)  # the opens of rlake sql and resume: not counted
+    cpu = time.process_time() - cpu  # all threads' CPU (delta-rs's too): the box's other work does not count
     delta.forget_tables()  # a new process (a launch, a run launched from the UI) reads each table's checkpoint once
     with clock("first opens of the 9 tables in a new process (per launch / UI run)"):
         for table in ["prompts", *ITER_TABLES]:
@@ -404,23 +406,27 @@ def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
     with clock("resume scan (per launch)"):
         completed_iterations(store.uri("iteration_metrics"), RUN)
     files = {t: sum(1 for _ in (Path(store.root) / t).rglob("*.parquet")) for t in [*ITER_TABLES, "prompts"]}
-    return {"iteration": it, "per_iteration_s": per_iteration, "calls_s": dict(clock), **counts, "files": files}
+    out = {"iteration": it, "per_iteration_s": per_iteration, "per_iteration_cpu_s": cpu, "calls_s": dict(clock)}
+    return out | {**counts, "files": files}
 
 
 def measured(store, tracker, cfg: RunConfig, n: int, frames: dict, repeat: int) -> dict:
     """bookkeeping of iterations n, n+2, ... (`repeat` of them), each number the median over them (the machine is
-    shared: one sample is noise). Between two, one untimed write_iteration opens again the copies the previous
-    one's new-process part dropped (forget_tables), as the grow loop leaves them before the first."""
+    shared: one sample is noise). First one untimed bookkeeping (iteration n): the process's first reads, lineage
+    walks and MLflow calls at this size pay one-time costs (imports, caches) that are no iteration's. Before each
+    measured one, one untimed write_iteration opens again the copies the previous one's new-process part dropped
+    (forget_tables)."""
+    bookkeeping(store, tracker, cfg, n, frames)
+    stop_counting()
     rows = []
     for r in range(repeat):
-        if r:
-            write_iteration(store, cfg, n + 2 * r - 1, frames)
-        rows.append(bookkeeping(store, tracker, cfg, n + 2 * r, frames))
+        write_iteration(store, cfg, n + 2 * r + 1, frames)
+        rows.append(bookkeeping(store, tracker, cfg, n + 2 * r + 2, frames))
         stop_counting()
     mid = statistics.median
     calls = {k: mid(r["calls_s"][k] for r in rows) for k in rows[0]["calls_s"]}
-    numbers = {k: mid(r[k] for r in rows) for k in ("per_iteration_s", "opens", "history")}
-    return {**rows[0], **numbers, "calls_s": calls, "files": rows[-1]["files"], "samples": rows}
+    numbers = {k: mid(r[k] for r in rows) for k in ("per_iteration_s", "per_iteration_cpu_s", "opens", "history")}
+    return {**rows[0], "iteration": n, **numbers, "calls_s": calls, "files": rows[-1]["files"], "samples": rows}
 
 
 def run_iterations(counts: list[int], repeat: int = 1) -> list[dict]:
@@ -442,7 +448,7 @@ def run_iterations(counts: list[int], repeat: int = 1) -> list[dict]:
             client.log_inputs(mlflow_id, datasets=[delta_dataset_input(e, it) for e in entries])
         grow = time.perf_counter() - t0
         row = measured(store, tracker, cfg, n, frames, repeat) | {"grow_s": grow}
-        done = n + 2 * repeat - 1
+        done = n + 2 * repeat + 1
         out.append(row)
         print(f"iteration {n}: {row['per_iteration_s']:.2f} s (grown in {grow:.0f} s)", file=sys.stderr, flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -451,8 +457,9 @@ def run_iterations(counts: list[int], repeat: int = 1) -> list[dict]:
 
 def iterations_table(rows: list[dict]) -> str:
     sites = list(rows[0]["calls_s"])
-    head = ["iteration N", "**bookkeeping s / iteration**", "Delta opens", "history() calls", *sites, "parquet files"]
-    cells = [[r["iteration"], r["per_iteration_s"], r["opens"], r["history"]] for r in rows]
+    head = ["iteration N", "**bookkeeping s / iteration**", "its CPU s", "Delta opens", "history() calls", *sites]
+    head.append("parquet files")
+    cells = [[r["iteration"], r["per_iteration_s"], r["per_iteration_cpu_s"], r["opens"], r["history"]] for r in rows]
     cells = [c + [r["calls_s"][s] for s in sites] + [sum(r["files"].values())] for c, r in zip(cells, rows)]
     files = [[t, *(r["files"][t] for r in rows)] for t in rows[0]["files"]]
     return md(head, cells) + "\n\n" + md(["table", *(f"parquet files at {r['iteration']}" for r in rows)], files)

@@ -300,11 +300,11 @@ TABLE_CONFIGURATION = {"delta.enableExpiredLogCleanup": "false", "delta.dataSkip
   deletes commits older than delta.logRetentionDuration (30 days) whenever it writes its automatic checkpoint
   (every 100 commits), and with them the lineage and time travel of old iterations. Data files are only removed
   by `rlake maintain`'s VACUUM, which keeps every recorded version.
-- No per-column min/max/null statistics in the log, only each file's numRecords: every commit re-reads the stats
-  of every file the table has, so with them a write's time grows with the run (8 writes per iteration: 0.08 s at
-  iteration 10, 0.13 s at 1000; docs/benchmarks.md). Nothing reads them: rlake's reads are pruned by the
-  (run_id, iteration) partition values, and `rlake sql` reads through pyarrow, which skips by the Parquet
-  footers' own statistics."""
+- No per-column min/max/null statistics in the log, only each file's numRecords: delta-rs processes the stats of
+  every file of the table at each commit and open, so with them a write's time grew with the run's length
+  (docs/benchmarks.md, "Row counts only"). Nothing reads them: rlake's reads are pruned by the (run_id,
+  iteration) partition values, and `rlake sql` reads through pyarrow, which skips by the Parquet footers' own
+  statistics."""
 
 
 def empty_partition_error(name: str, run_id: str, iteration: int) -> ValueError:
