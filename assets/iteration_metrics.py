@@ -5,8 +5,9 @@ import dagster as dg
 import pandas as pd
 
 from assets.common import Background, checkpoint_metrics, read_recorded, timed
-from assets.resources import RolloutStoreResource
+from assets.resources import RolloutStoreResource, TrackerResource
 from assets.stage_assets import StageRun
+from configs.schema import RunConfig
 from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io import uris
@@ -51,7 +52,7 @@ def materialize(run: StageRun) -> dg.MaterializeResult:
     )
 
 
-def log_step(tracker, cfg, metrics: dict[str, float], *, step: int) -> str:
+def log_step(tracker: TrackerResource, cfg: RunConfig, metrics: dict[str, float], *, step: int) -> str:
     """The MLflow run of the rlake run (reopened / its last step set: TrackerResource.run_for), with the iteration's
     metrics logged at `step`; returns its id."""
     mlflow_id = tracker.run_for(cfg.run_id, cfg, step=step)
