@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -27,6 +28,9 @@ def main() -> None:
     ap.add_argument("--ready-file", required=True)
     args = ap.parse_args()
 
+    # a worker node registers with the GCS within raylet_start_wait_time_s (Ray's default 30 s); on a 2-core box
+    # whose other test worker is busy that wait ran out once ("GCS cannot find the node"): give it 120 s
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     import ray
     from ray._private.node import Node
     from ray._private.parameter import RayParams
