@@ -7,7 +7,10 @@ thousands of small files and `rlake sql` (and every open of a table) slows down.
   `target_size` bytes). Same rows, one new table version (operation OPTIMIZE, no rlake lineage); the
   versions before it still read their old files until a VACUUM deletes them.
 - checkpoint: `create_checkpoint()` writes the table's state as one parquet file, so opening the table reads
-  it plus the commits after it instead of replaying every JSON commit.
+  it plus the commits after it instead of replaying every JSON commit. Older checkpoints are then deleted but one
+  per span of KEEP_CHECKPOINT_EVERY versions (`prune_checkpoints`): the tables write one every
+  `delta.checkpointInterval` (store.TABLE_CONFIGURATION) commits and never expire the log, so without it they
+  pile up, each the size of the whole table's file list.
 - vacuum: deletes files no version newer than `vacuum_retention_hours` reads, except the files of the
   versions rlake's lineage records (`keep_lineage`, default): each rlake commit's own version and every
   upstream version a commit says it read, which are the versions replay, rescore and resume time-travel to.
@@ -26,12 +29,18 @@ from typing import Any
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
-from stages.io import store, uris
+from stages.io import objects, store, uris
 from stages.io.store import Options
 
 DEFAULT_VACUUM_RETENTION_HOURS = 168
 """Delta's default `delta.deletedFileRetentionDuration` (7 days): files removed from a table less than this
 long ago are never vacuumed."""
+
+
+KEEP_CHECKPOINT_EVERY = 100
+"""prune_checkpoints keeps the newest checkpoint of each span of this many versions (0-99, 100-199, ...; delta-rs's
+default interval): a time-travel open of an old version replays fewer than this many JSON commits plus
+`delta.checkpointInterval` after the checkpoint it starts from."""
 
 
 class VacuumedVersionError(LookupError):
@@ -50,6 +59,8 @@ class TableReport:
     compacted_files: int = 0
     """Files rewritten by compaction (numFilesRemoved); 0 when nothing was compacted."""
     checkpoint_version: int | None = None
+    pruned_checkpoints: int = 0
+    """Older checkpoint files deleted after it (prune_checkpoints)."""
     vacuumed_files: int = 0
     """Files deleted by VACUUM (dry run: that it would delete)."""
     kept_versions: int = 0
@@ -65,7 +76,8 @@ class TableReport:
         checkpoint = "-" if self.checkpoint_version is None else f"v{self.checkpoint_version}"
         return (
             f"{self.table}: files {self.files_before} -> {self.files_after}, version {self.version_before} -> "
-            f"{self.version_after}, compacted {self.compacted_files}, checkpoint {checkpoint}, vacuumed "
+            f"{self.version_after}, compacted {self.compacted_files}, checkpoint {checkpoint} (older ones pruned: "
+            f"{self.pruned_checkpoints}), vacuumed "
             f"{self.vacuumed_files} (kept {self.kept_versions} lineage versions), {self.seconds:.2f} s"
         )
 
@@ -157,6 +169,34 @@ def _keep_log(dt: DeltaTable, dry_run: bool) -> DeltaTable:
     return dt
 
 
+def _checkpoint_version(name: str) -> int | None:
+    """The version of a `_delta_log` entry that is a checkpoint file (classic, multi-part or V2), else None."""
+    head, _, rest = name.partition(".")
+    return int(head) if head.isdigit() and rest.startswith("checkpoint.") and name.endswith(".parquet") else None
+
+
+def prune_checkpoints(uri: str, *, dry_run: bool = False, storage_options: Options = None) -> int:
+    """Delete the checkpoint files of table `uri` but the newest checkpoint of each span of KEEP_CHECKPOINT_EVERY
+    versions; returns how many (dry run: would delete). A checkpoint only speeds up
+    opening a version at or after it: every JSON commit stays, so every version still opens, by replaying the
+    commits after the newest checkpoint kept before it. Run it when no reader opens an old version of the table
+    (the maintenance rule: no run writes the tables)."""
+    store_ = objects.open_store(uris.target(uri), uris.options_of(uri, storage_options))
+    found = {}
+    for key in objects.list_keys(store_, "_delta_log"):
+        version = _checkpoint_version(key.rsplit("/", 1)[-1])
+        if version is not None:
+            found.setdefault(version, []).append(key)
+    kept = {}
+    for version in found:  # the newest of each span
+        span = version // KEEP_CHECKPOINT_EVERY
+        kept[span] = max(version, kept.get(span, version))
+    gone = [k for v, keys in found.items() if v not in kept.values() for k in keys]
+    for key in gone if not dry_run else ():
+        objects.delete(store_, key)
+    return len(gone)
+
+
 def maintain_table(uri: str, plan: MaintenancePlan, keep: set[int], storage_options: Options = None) -> TableReport:
     """Compact, checkpoint and vacuum one table as `plan` says, keeping the files of versions `keep`."""
     t0, steps = time.perf_counter(), {}
@@ -182,6 +222,7 @@ def maintain_table(uri: str, plan: MaintenancePlan, keep: set[int], storage_opti
         t = time.perf_counter()
         dt.create_checkpoint()
         report.checkpoint_version = dt.version()
+        report.pruned_checkpoints = prune_checkpoints(uri, storage_options=storage_options)
         steps["checkpoint"] = time.perf_counter() - t
     report.files_after, report.version_after = file_count(dt), dt.version()
     report.seconds, report.steps_s = time.perf_counter() - t0, steps

@@ -92,6 +92,14 @@ def list_keys(store, prefix: str) -> list[str]:
         return []
 
 
+def delete(store, key: str) -> None:
+    """Delete the object at `key` (one already gone is no error)."""
+    try:
+        obstore.delete(store, key)
+    except FileNotFoundError:
+        pass
+
+
 def delete_prefix(store, prefix: str) -> int:
     """Delete every key under `prefix`; returns how many."""
     keys = list_keys(store, prefix)

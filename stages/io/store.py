@@ -213,11 +213,12 @@ def _key(path: str, opts: dict[str, str] | None) -> tuple:
 
 def _stale(table: DeltaTable, opened_at: int) -> bool:
     """Whether an open copy is opened anew: it absorbed more than REOPEN_AFTER commits, or a checkpoint was written
-    since its open (delta-rs writes one every delta.checkpointInterval commits; a fresh open starts from it and
-    replays nothing, while the copy replays every commit since the checkpoint it was opened from)."""
+    since its open (delta-rs writes one after versions every-1, 2*every-1, ... for delta.checkpointInterval = every;
+    a fresh open starts from it and replays nothing, while the copy replays every commit since the checkpoint it
+    was opened from)."""
     version = table.version()
     every = int(table.metadata().configuration.get("delta.checkpointInterval", 100))
-    return version - opened_at > REOPEN_AFTER or version // every > opened_at // every
+    return version - opened_at > REOPEN_AFTER or (version + 1) // every > (opened_at + 1) // every
 
 
 def forget_tables() -> None:
@@ -294,7 +295,11 @@ def extra_columns(name: str, df: pd.DataFrame) -> list[str]:
     return names
 
 
-TABLE_CONFIGURATION = {"delta.enableExpiredLogCleanup": "false", "delta.dataSkippingNumIndexedCols": "0"}
+TABLE_CONFIGURATION = {
+    "delta.enableExpiredLogCleanup": "false",
+    "delta.dataSkippingNumIndexedCols": "0",
+    "delta.checkpointInterval": "10",
+}
 """Properties of every table rlake creates (`rlake maintain` sets them on older tables).
 - The commit log IS rlake's lineage (each commit's rlake.* metadata), so it is never expired: delta-rs otherwise
   deletes commits older than delta.logRetentionDuration (30 days) whenever it writes its automatic checkpoint
@@ -304,7 +309,12 @@ TABLE_CONFIGURATION = {"delta.enableExpiredLogCleanup": "false", "delta.dataSkip
   every file of the table at each commit and open, so with them a write's time grew with the run's length
   (docs/benchmarks.md, "Row counts only"). Nothing reads them: rlake's reads are pruned by the (run_id,
   iteration) partition values, and `rlake sql` reads through pyarrow, which skips by the Parquet footers' own
-  statistics."""
+  statistics.
+- A checkpoint every 10 commits (Delta's own default; delta-rs's is 100): every write and every open replays the
+  JSON commits since the newest checkpoint, so with 100 a write's cost rose and fell with the table's version
+  (at 1,000 iterations, 12-30 ms per write; docs/benchmarks.md, "A checkpoint every 10 commits"). A checkpoint
+  holds the table's file list, so they add up: `rlake maintain` deletes all but one per 100 versions
+  (maintenance.prune_checkpoints)."""
 
 
 def empty_partition_error(name: str, run_id: str, iteration: int) -> ValueError:
@@ -531,8 +541,12 @@ class History:
     def _read_history(self, top: int, count: int) -> None:
         """Commits top, top-1, ... (count of them) by one history() call, into _COMMITS (a version without a commit
         file: None)."""
-        newer = self.table.version() - top  # commits that landed since the open (the table is shared)
-        entries = self.table.history(None if count > top else newer + count)
+        # delta-rs numbers history() entries down from the table's loaded version, but reads the newest commits in
+        # storage: read it through this process's open copy brought up to date (self.table may have been replaced
+        # by a fresh open since: after REOPEN_AFTER commits or a checkpoint), and skip what landed since our open
+        table = open_table(*self._where[:1], storage_options=self._where[1])
+        newer = table.version() - top
+        entries = table.history(None if count > top else newer + count)
         found = {int(e["version"]): {k: v for k, v in e.items() if k != "version"} for e in entries}
         for v in range(top, top - count, -1):
             self._known[v] = found.get(v)
@@ -608,7 +622,10 @@ def commit_at(uri: str, version: int, *, storage_options: Options = None) -> dic
     path, opts = _open(uri, storage_options)
     known = _COMMITS.setdefault(_key(path, opts), {})
     if version not in known:
-        known[version] = read_commit_info(path, opts, version)
+        found = read_commit_info(path, opts, version)
+        if found is None:  # not (yet) committed: a later look-up reads the file again
+            return None
+        known[version] = found
     return lineage_of(known[version] or {}, version)
 
 
@@ -639,8 +656,12 @@ def first_commit_of(
     uri: str, versions: list[int], run_id: str, iteration: int, *, storage_options: Options = None
 ) -> int | None:
     """The first of `versions` whose commit wrote partition (run_id, iteration) of the table at `uri`; None when
-    none did (or there is no table). Reads the history only down to the versions it checks."""
+    none did (or there is no table). Reads each version's own commit file (commit_at: once per process), neither
+    the table's log nor its state: a look-up of a table this process has just committed lists nothing (on S3 it
+    was a LIST and a GET per look-up, #37), and a version no commit file has (yet) is not that commit."""
     if not versions or not table_exists(uri, storage_options=storage_options):
         return None
-    history = History(uri, storage_options=storage_options)
-    return next((v for v in versions if of_partition(history.commit(v), run_id, iteration)), None)
+    for v in versions:
+        if v >= 0 and of_partition(commit_at(uri, v, storage_options=storage_options), run_id, iteration):
+            return v
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from assets.resources import _MLFLOW_RUNS, TrackerResource
 from stages.io import store
@@ -90,6 +90,32 @@ def test_a_commit_made_since_the_last_look_up_is_read_alone(tmp_path, monkeypatc
     monkeypatch.setattr(DeltaTable, "history", lambda self, limit=None: limits.append(limit) or history(self, limit))
     assert store.newest_commit(uri, "r", 3) == store.commit_lineage(uri)[0] and limits == []  # its file alone
     assert store.newest_commit(uri, "r", 3)["version"] == v
+
+
+def test_first_commit_of_reads_commit_files_only(tmp_path, monkeypatch) -> None:
+    uri = str(tmp_path / "t")
+    versions = [_write(uri, "r", it) for it in range(3)]
+    write_deltalake(  # another writer's commit: this process's open copy of the table does not know it
+        uri, store.to_arrow("iteration_metrics", _rows(3).assign(run_id="r", iteration=3)), mode="append",
+        commit_properties=CommitProperties(custom_metadata={"rlake.run_id": "r", "rlake.iteration": "3"}),
+    )  # fmt: skip
+    late = versions[-1] + 1
+
+    def refuse(*a, **kw):
+        raise AssertionError("first_commit_of opened or updated the table")
+
+    monkeypatch.setattr(DeltaTable, "update_incremental", refuse)
+    monkeypatch.setattr(store, "History", refuse)
+    assert store.first_commit_of(uri, [late + 1, late], "r", 3) == late  # a version not committed yet: None
+    assert store.first_commit_of(uri, [versions[1], versions[2]], "r", 2) == versions[2]
+    assert store.first_commit_of(uri, [versions[0]], "r", 1) is None
+    store._COMMITS.clear()
+    assert store.first_commit_of(uri, [late + 1], "r", 4) is None  # a missing commit file is not remembered:
+    write_deltalake(
+        uri, store.to_arrow("iteration_metrics", _rows(4).assign(run_id="r", iteration=4)), mode="append",
+        commit_properties=CommitProperties(custom_metadata={"rlake.run_id": "r", "rlake.iteration": "4"}),
+    )  # fmt: skip
+    assert store.first_commit_of(uri, [late + 1], "r", 4) == late + 1  # once it is committed, it is found
 
 
 def test_commits_made_while_paging_are_left_out(tmp_path) -> None:

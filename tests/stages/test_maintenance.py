@@ -156,7 +156,7 @@ def test_maintain_sets_the_log_property_on_an_older_table(tmp_path):
     assert "delta.enableExpiredLogCleanup" not in DeltaTable(uri).metadata().configuration
     maintain_tables(str(tmp_path), tables=["old"], vacuum_retention_hours=None)
     config = DeltaTable(uri).metadata().configuration
-    assert config["delta.enableExpiredLogCleanup"] == "false" and config["delta.dataSkippingNumIndexedCols"] == "0"
+    assert {k: config.get(k) for k in store.TABLE_CONFIGURATION} == store.TABLE_CONFIGURATION
 
 
 def test_reading_a_vacuumed_recorded_version_says_what_and_how_to_fix(tmp_path):
@@ -169,3 +169,30 @@ def test_reading_a_vacuumed_recorded_version_says_what_and_how_to_fix(tmp_path):
     with pytest.raises(VacuumedVersionError):
         store.read_partition(uri, "r", 0, version=0)
     assert store.read_partition(uri, "r", 0)["value"].tolist() == [2.0]
+
+
+def test_maintain_prunes_older_checkpoints_and_every_version_still_reads(tmp_path, monkeypatch):
+    # A checkpoint every 2 commits (delta-rs writes one after versions 1, 3, 5, ...); maintenance keeps the newest
+    # of each span of KEEP_CHECKPOINT_EVERY (4 here) versions: 3 (of 0-3), 7 (of 4-7) and 11 (of 8-11).
+    monkeypatch.setattr(maintenance, "KEEP_CHECKPOINT_EVERY", 4)
+    monkeypatch.setitem(store.TABLE_CONFIGURATION, "delta.checkpointInterval", "2")
+    uri = str(tmp_path / "iteration_metrics")
+    row = pd.DataFrame({"policy_version": [0], "metric": ["m"], "value": [0.0]})
+    for it in range(12):  # v0..v11
+        rows = row.assign(value=float(it))
+        store.write_partition(uri, "iteration_metrics", rows, run_id="r", iteration=it, lineage={})
+    expected = {v: sorted(DeltaTable(uri, version=v).to_pandas()["value"]) for v in range(12)}
+    log = Path(uri) / "_delta_log"
+
+    def checkpoints() -> list[int]:
+        return sorted(int(p.name[:20]) for p in log.glob("*.checkpoint*.parquet"))
+
+    assert checkpoints() == [1, 3, 5, 7, 9, 11]
+    assert maintenance.prune_checkpoints(uri, dry_run=True) == 3 and len(checkpoints()) == 6
+    (report,) = maintain_tables(str(tmp_path), tables=["iteration_metrics"], vacuum_retention_hours=None)
+    assert report.checkpoint_version == 11 and report.pruned_checkpoints == 3  # 1, 5, 9
+    assert checkpoints() == [3, 7, 11]
+    assert len(list(log.glob("*.json"))) == 12  # every commit stays: the lineage
+    store.forget_tables()
+    for v, values in expected.items():  # each version opens from the checkpoint kept before it, or from the start
+        assert sorted(DeltaTable(uri, version=v).to_pandas()["value"]) == values
