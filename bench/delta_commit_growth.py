@@ -4,12 +4,16 @@
 
 One table (`rollouts`, 16 small rows per partition), grown through stages.io.store.write_partition one partition
 per commit, as a run grows it, for each of:
-- `stats`: the per-column min/max/null statistics delta-rs writes by default (rlake's tables before 7a003e8);
-- `row counts`: store.TABLE_CONFIGURATION as it is (delta.dataSkippingNumIndexedCols=0: numRecords only).
-At 10 commits and at --commits it times --writes more writes (median and min ms, wall and the process's CPU).
-Then, on the grown `row counts` table, it writes a checkpoint at the newest version and moves every older commit
-and checkpoint out of `_delta_log` (what log expiry would delete; rlake never does it: the log is the lineage),
-opens the table anew and times the writes again: the part of the growth that comes from the log's length.
+- `stats`: the per-column min/max/null statistics delta-rs writes by default, and its checkpoint every 100
+  commits (rlake's tables before 7a003e8);
+- `row counts, checkpoint every 100`: delta.dataSkippingNumIndexedCols=0 (numRecords only), delta-rs's default
+  checkpoint interval (rlake's tables from 7a003e8 to the change to 10);
+- `row counts, checkpoint every 10`: store.TABLE_CONFIGURATION as it is.
+At 10 commits and at --commits it times --writes more writes (median and min ms, wall and the process's CPU), and
+the whole growth in between (mean ms per write). Then, on the grown table of the last kind, it writes a checkpoint
+at the newest version and moves every older commit and checkpoint out of `_delta_log` (what log expiry would
+delete; rlake never does it: the log is the lineage), opens the table anew and times the writes again: the part of
+the growth that comes from the log's length.
 """
 
 from __future__ import annotations
@@ -72,29 +76,38 @@ def main() -> int:
     args = ap.parse_args()
     frame, rows = small_frame(TABLE), []
     configured = dict(store.TABLE_CONFIGURATION)
-    for name, config in (("stats", {k: v for k, v in configured.items() if "dataSkipping" not in k}),
-                         ("row counts", configured)):  # fmt: skip
+    every_100 = {k: v for k, v in configured.items() if k != "delta.checkpointInterval"}
+    kinds = [
+        ("stats", {k: v for k, v in every_100.items() if "dataSkipping" not in k}),
+        ("row counts, checkpoint every 100", every_100),
+        (f"row counts, checkpoint every {configured['delta.checkpointInterval']}", configured),
+    ]
+    for name, config in kinds:
         store.TABLE_CONFIGURATION.clear()
         store.TABLE_CONFIGURATION.update(config)
         tmp = Path(tempfile.mkdtemp(prefix="rlake-commit-growth-"))
         uri = str(tmp / TABLE)
         grow(uri, frame, 0, 10)
         rows.append({"tables": name, "commits": 10, **timed_writes(uri, frame, 10**6, args.writes)})
+        t0 = time.perf_counter()
         grow(uri, frame, 10, args.commits)
-        rows.append({"tables": name, "commits": args.commits, **timed_writes(uri, frame, 2 * 10**6, args.writes)})
-        if name == "row counts":
+        growth_ms = (time.perf_counter() - t0) * 1000 / max(1, args.commits - 10)
+        row = timed_writes(uri, frame, 2 * 10**6, args.writes)
+        rows.append({"tables": name, "commits": args.commits, **row, "growth_mean_ms": growth_ms})
+        if config is configured:
             left = prune_log(uri)
             row = timed_writes(uri, frame, 3 * 10**6, args.writes)
-            rows.append({"tables": f"row counts, log pruned to {left} entries", "commits": args.commits, **row})
+            rows.append({"tables": f"{name}, log pruned to {left} entries", "commits": args.commits, **row})
         store.forget_tables()
         shutil.rmtree(tmp, ignore_errors=True)
     store.TABLE_CONFIGURATION.clear()
     store.TABLE_CONFIGURATION.update(configured)
-    print("| tables | commits before | write ms, median | min | CPU ms, median |\n|---|---:|---:|---:|---:|")
+    print("| tables | commits before | write ms, median | min | CPU ms, median | mean ms of the writes from 10 |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(
-            f"| {r['tables']} | {r['commits']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['cpu_median_ms']:.1f} |"
-        )
+        grown = f"{r['growth_mean_ms']:.1f}" if "growth_mean_ms" in r else ""
+        cells = f"{r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['cpu_median_ms']:.1f} | {grown}"
+        print(f"| {r['tables']} | {r['commits']} | {cells} |")
     print(f"\n{cpu_description()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
