@@ -544,7 +544,8 @@ class History:
         # delta-rs numbers history() entries down from the table's loaded version, but reads the newest commits in
         # storage: read it through this process's open copy brought up to date (self.table may have been replaced
         # by a fresh open since: after REOPEN_AFTER commits or a checkpoint), and skip what landed since our open
-        table = open_table(*self._where[:1], storage_options=self._where[1])
+        path, opts = self._where
+        table = open_table(path, storage_options=opts)
         newer = table.version() - top
         entries = table.history(None if count > top else newer + count)
         found = {int(e["version"]): {k: v for k, v in e.items() if k != "version"} for e in entries}

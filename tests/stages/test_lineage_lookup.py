@@ -106,11 +106,11 @@ def test_first_commit_of_reads_commit_files_only(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(DeltaTable, "update_incremental", refuse)
     monkeypatch.setattr(store, "History", refuse)
-    assert store.first_commit_of(uri, [late + 1, late], "r", 3) == late  # a version not committed yet: None
+    assert store.first_commit_of(uri, [late + 1, late], "r", 3) == late  # late + 1 is not committed yet
     assert store.first_commit_of(uri, [versions[1], versions[2]], "r", 2) == versions[2]
     assert store.first_commit_of(uri, [versions[0]], "r", 1) is None
     store._COMMITS.clear()
-    assert store.first_commit_of(uri, [late + 1], "r", 4) is None  # a missing commit file is not remembered:
+    assert store.first_commit_of(uri, [late + 1], "r", 4) is None  # a missing commit file is not remembered
     write_deltalake(
         uri, store.to_arrow("iteration_metrics", _rows(4).assign(run_id="r", iteration=4)), mode="append",
         commit_properties=CommitProperties(custom_metadata={"rlake.run_id": "r", "rlake.iteration": "4"}),
