@@ -30,6 +30,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from stages.io import commit_reads, uris
 from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, LEGACY_FIELDS, SCHEMAS
+from stages.io.whole_reads import whole_small_files
 
 LINEAGE_PREFIX = "rlake."
 
@@ -435,9 +436,9 @@ def read_partition_at(
             return df, version
     dt = open_table(uri, version=version, storage_options=storage_options)
     try:
-        df = dt.to_pandas(
-            partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))], columns=columns, filters=filters
-        )
+        ds = dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
+        # DeltaTable.to_pandas over that dataset, each small file read in one request (whole_reads)
+        df = whole_small_files(ds).to_table(columns=columns, filter=filters).to_pandas()
     except FileNotFoundError:
         if version is not None:  # a recorded version VACUUM removed: say so (what, why, how to fix)
             from stages.io.maintenance import check_version_files  # noqa: PLC0415 - maintenance imports store

@@ -1,0 +1,93 @@
+"""Small Parquet files read in one request: a Delta table's pyarrow dataset whose filesystem reads a file of at
+most WHOLE_FILE_BYTES whole, once, when it is opened.
+
+pyarrow's Parquet reader reads a file in several ranged reads: its footer, then each column chunk (or, pre-buffered,
+the coalesced ranges of the projected columns). On S3 each read is one GET, and a tiny or small run's partition
+files are a few KB with 10-20 columns: a stage that read the iteration's partitions made ~170 GETs of table data
+per iteration on the cluster for a few hundred KB (#37 item 4). Read whole, each file is one GET; files above the
+limit keep the ranged reads, so a large partition is still streamed and a read's peak grows by at most the limit per
+open file. The files' sizes come from the Delta log (delta-rs's filesystem for the table knows them): no HEAD.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pa_fs
+
+WHOLE_FILE_BYTES = 1 << 20
+"""Files up to this size are read whole when opened (stage_exec.READ_BUFFER: what a streamed read holds anyway)."""
+
+
+class WholeSmallFiles(pa_fs.FileSystemHandler):
+    """A pyarrow filesystem handler over `base` that opens files of at most `limit` bytes by reading them whole
+    (one read of the base filesystem) and serves the reader from memory; everything else is `base`'s."""
+
+    def __init__(self, base: pa_fs.FileSystem, limit: int = WHOLE_FILE_BYTES) -> None:
+        self.base, self.limit = base, limit
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        f = self.base.open_input_file(path)
+        if f.size() > self.limit:
+            return f
+        with f:
+            return pa.BufferReader(f.read())
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        return self.base.open_input_stream(path)
+
+    def get_type_name(self) -> str:
+        return f"whole-small-files+{self.base.type_name}"
+
+    def normalize_path(self, path: str) -> str:
+        return self.base.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> list[pa_fs.FileInfo]:
+        return self.base.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pa_fs.FileSelector) -> list[pa_fs.FileInfo]:
+        return self.base.get_file_info(selector)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.base.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        self.base.delete_dir(path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        self.base.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self) -> None:
+        self.base.delete_dir_contents("/", accept_root_dir=True)
+
+    def delete_file(self, path: str) -> None:
+        self.base.delete_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        self.base.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.base.copy_file(src, dest)
+
+    def open_output_stream(self, path: str, metadata: dict | None = None) -> pa.NativeFile:
+        return self.base.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path: str, metadata: dict | None = None) -> pa.NativeFile:
+        return self.base.open_append_stream(path, metadata=metadata)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WholeSmallFiles) and other.base.equals(self.base) and other.limit == self.limit
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+
+def whole_small_files(ds: pads.FileSystemDataset, limit: int = WHOLE_FILE_BYTES) -> pads.FileSystemDataset:
+    """`ds` (a table's dataset: DeltaTable.to_pyarrow_dataset) with the same fragments, schema and format over a
+    filesystem that reads each file of at most `limit` bytes whole (WholeSmallFiles): same rows, fewer requests."""
+    fs = pa_fs.PyFileSystem(WholeSmallFiles(ds.filesystem, limit))
+    fragments = [
+        ds.format.make_fragment(f.path, filesystem=fs, partition_expression=f.partition_expression)
+        for f in ds.get_fragments()
+    ]
+    return pads.FileSystemDataset(fragments, ds.schema, ds.format, fs)
