@@ -4,7 +4,7 @@
 import dagster as dg
 import pandas as pd
 
-from assets.common import Background, checkpoint_metrics, read_recorded, timed
+from assets.common import Background, checkpoint_metrics, read_recorded, recorded_version, timed
 from assets.resources import RolloutStoreResource, TrackerResource
 from assets.stage_assets import StageRun
 from configs.schema import RunConfig
@@ -12,7 +12,7 @@ from stages.dag import ITERATION, uses_critic
 from stages.evaluate import validation_rollouts, validation_summary
 from stages.io import uris
 from stages.io.plots import run_curves_markdown
-from stages.io.store import newest_commit, pinned
+from stages.io.store import commit_at, newest_commit, pinned
 from stages.io.tables import PROMPTS_ITERATION
 from stages.io.tracking import is_tracking_server
 from stages.iteration_metrics import validates
@@ -81,7 +81,7 @@ def measure_iteration(run: StageRun) -> tuple[dict[str, float], dict | None, dic
     new_dir = ms.require(it + 1, needed_by="iteration_metrics")
     update, c_v = checkpoint_metrics(store, cfg.run_id, it, "policy", it + 1)
     critic = checkpoint_metrics(store, cfg.run_id, it, "critic", it + 1)[0] if values is not None else None
-    timings = stage_timings(store, cfg.run_id, it)
+    timings = stage_timings(store, cfg.run_id, it, instance=run.context.instance)
     m = run.compute(scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic)
     val, val_metrics = validation(run, new_dir)
     read_versions = {"scored_rollouts": scored.version, "rollouts": rollouts.version, "advantages": adv.version}
@@ -123,13 +123,19 @@ run's partitions on one axis), besides val-core/* and `run_curves` (the curves o
 to that iteration: stages.io.plots.run_curves_markdown); every metric goes to Delta and MLflow."""
 
 
-def stage_timings(rollout_store: RolloutStoreResource, run_id: str, it: int) -> dict[str, float]:
-    """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the
-    newest lineage commit of its table for this iteration (read down to that commit only: store.newest_commit);
-    the updates report theirs in their own metrics."""
+def stage_timings(
+    rollout_store: RolloutStoreResource, run_id: str, it: int, *, instance: dg.DagsterInstance | None = None
+) -> dict[str, float]:
+    """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the lineage
+    commit of its table for this iteration: with `instance`, the commit its asset's latest materialization recorded
+    (assets.common.recorded_version: the commit file alone, no table opened; on S3 no LIST), else (or when none
+    is recorded) the newest (read down to that commit only: store.newest_commit); the updates report theirs in
+    their own metrics."""
     out = {}
     for stage in (s for s in ITERATION if s.table and s.timing):
-        commit = newest_commit(rollout_store.uri(stage.name), run_id, it)  # ref_logprobs: only in runs with KL
-        if commit is not None:
+        uri = rollout_store.uri(stage.name)
+        version = None if instance is None else recorded_version(instance, uri, stage.name, run_id, it)
+        commit = commit_at(uri, version) if version is not None else newest_commit(uri, run_id, it)
+        if commit is not None:  # ref_logprobs: only in runs with KL
             out[stage.timing] = float(commit["duration_s"])
     return out

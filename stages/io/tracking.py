@@ -27,7 +27,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag
 from stages.dag import TABLES
 from stages.io import uris
 from stages.io.plots import load_run_metrics, validation_figure
-from stages.io.store import History, git_commit, of_partition, table_exists
+from stages.io.store import History, commit_at, git_commit, of_partition, table_exists
 
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 ERROR_TAG = "rlake.error"
@@ -78,32 +78,35 @@ def iteration_lineage(
     Tables reached from the iteration_metrics commit `metrics_version` (default: its newest for the
     iteration) through the commits' `upstream` versions get the version that was read; a table with
     commits for the iteration but not reached gets its newest. Each entry: table, uri, version, and
-    the commit's lineage (stage, policy_version, upstream, ...). Each table's history is read only down to the
-    commits wanted (store.History), so the cost stays flat as a run grows."""
+    the commit's lineage (stage, policy_version, upstream, ...). A reached commit is read from its own commit file
+    (store.commit_at: once per process, no table opened: on S3 no LIST); only the tables not reached are opened,
+    their history read only down to the commits wanted (store.History), so the cost stays flat as a run grows."""
     root = uris.with_options(tables_root, uris.options_of(tables_root, storage_options))
-    histories = {}
-    for table in TABLES:
-        uri = uris.join(root, table)  # a string join: s3://bucket/t stays s3://, its options carried
-        if table_exists(uri):
-            histories[table] = (str(uri), History(uri))
+    where = {table: uris.join(root, table) for table in TABLES}  # a string join: s3:// stays, options carried
+    opened: dict[str, History | None] = {}
+
+    def history(table: str) -> History | None:
+        if table not in opened:
+            opened[table] = History(where[table]) if table_exists(where[table]) else None
+        return opened[table]
+
     chosen: dict[str, dict[str, Any]] = {}
-    start = histories.get("iteration_metrics")
-    if start is not None and metrics_version is None:
-        metrics_version = (start[1].newest(run_id, iteration) or {}).get("version")
-    todo = [("iteration_metrics", metrics_version)] if start is not None else []
+    if metrics_version is None and history("iteration_metrics") is not None:
+        metrics_version = (opened["iteration_metrics"].newest(run_id, iteration) or {}).get("version")
+    todo = [("iteration_metrics", metrics_version)]
     while todo:
         table, version = todo.pop()
-        if table not in histories or table in chosen or version is None:
+        if table not in where or table in chosen or version is None:
             continue
-        commit = histories[table][1].commit(int(version))
+        commit = commit_at(where[table], int(version))
         if of_partition(commit, run_id, iteration):  # not another iteration's commit (e.g. prompts)
             chosen[table] = commit
             todo += list((commit.get("upstream") or {}).items())
     out = []
-    for table, (uri, history) in histories.items():  # TABLES order
-        commit = chosen.get(table) or history.newest(run_id, iteration)
+    for table, uri in where.items():  # TABLES order
+        commit = chosen.get(table) or (history(table).newest(run_id, iteration) if history(table) else None)
         if commit is not None:
-            out.append({"table": table, "uri": uri, **commit})
+            out.append({"table": table, "uri": str(uri), **commit})
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 from deltalake import DeltaTable
 from mlflow.tracking import MlflowClient
 
+from stages.dag import ITERATION
 from stages.io import store
 from stages.io.tables import SCHEMAS
 from stages.models.policy import load_policy
@@ -89,6 +90,21 @@ def test_mlflow_run_holds_params_and_metrics(trained) -> None:
     )
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert len(summary["iterations"]) == 2
+
+
+def test_stage_timings_are_the_durations_their_commits_recorded(trained) -> None:
+    """iteration_metrics takes each timed stage's seconds from the commit its asset recorded for the iteration
+    (no table opened: assets.iteration_metrics.stage_timings); here no partition was re-written, so that is the
+    partition's newest commit."""
+    out, _ = trained
+    for it in (0, 1):
+        rows = store.read_partition(str(out / "tables" / "iteration_metrics"), RUN, it)
+        metrics = dict(zip(rows["metric"], rows["value"], strict=True))
+        timed = [s for s in ITERATION if s.table and s.timing and (out / "tables" / s.name).is_dir()]
+        assert {s.name for s in timed} >= {"prompt_batches", "rollouts", "old_logprobs", "scored_rollouts"}
+        for stage in timed:
+            commit = store.newest_commit(str(out / "tables" / stage.name), RUN, it)
+            assert metrics[stage.timing] == pytest.approx(float(commit["duration_s"])), stage.name
 
 
 def test_mlflow_run_finished_with_lineage_samples_and_curve(trained) -> None:
