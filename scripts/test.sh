@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_ACCEPT_CLOUD_SDK_WARNING=1 PYTHONUNBUFFERED=1
+# torch's OpenMP threads sleep when idle instead of spinning: two pytest workers and their Ray workers share two
+# cores, and a spinning thread takes CPU the other worker's processes are waiting for (docs/testing.md)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 select=()
 if [ "${1:-}" = "--fast" ]; then
   shift
