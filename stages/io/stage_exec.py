@@ -32,7 +32,6 @@ import ray
 
 from stages.io import commit_reads, dataset_io, store, uris
 from stages.io.store import Options
-from stages.io.whole_reads import whole_small_files
 
 BATCH_ROWS = 4096
 """Rows per in-process batch: a tiny run's partition is one batch (the stage sees what it saw whole)."""
@@ -79,9 +78,9 @@ def _dataset(uri: str, run_id: str, iteration: int, version: int | None, storage
         ds = commit_reads.written_dataset(*store.commit_key(uri, storage_options), run_id, iteration, version)
         if ds is not None:
             return ds
-    dt = store.open_table(uri, version=version, storage_options=storage_options)
-    ds = dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
-    return whole_small_files(ds)  # a small file in one request (on S3: one GET, not one per column chunk)
+    return store.partition_dataset(
+        store.open_table(uri, version=version, storage_options=storage_options), run_id, iteration
+    )
 
 
 def iter_partition_batches(

@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from stages.io import commit_reads, uris
@@ -436,9 +437,7 @@ def read_partition_at(
             return df, version
     dt = open_table(uri, version=version, storage_options=storage_options)
     try:
-        ds = dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
-        # DeltaTable.to_pandas over that dataset, each small file read in one request (whole_reads)
-        df = whole_small_files(ds).to_table(columns=columns, filter=filters).to_pandas()
+        df = partition_dataset(dt, run_id, iteration).to_table(columns=columns, filter=filters).to_pandas()
     except FileNotFoundError:
         if version is not None:  # a recorded version VACUUM removed: say so (what, why, how to fix)
             from stages.io.maintenance import check_version_files  # noqa: PLC0415 - maintenance imports store
@@ -448,6 +447,14 @@ def read_partition_at(
     if not len(df) and filters is None:
         raise missing_partition_error(uri, dt.version(), run_id, iteration)
     return df, dt.version()
+
+
+def partition_dataset(dt: DeltaTable, run_id: str, iteration: int) -> pads.FileSystemDataset:
+    """Partition (run_id, iteration) of the open table `dt` as the pyarrow dataset DeltaTable.to_pandas reads, each
+    small file read whole in one request (whole_reads: on S3 one GET, not one per column chunk)."""
+    return whole_small_files(
+        dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
+    )
 
 
 def present_columns(
