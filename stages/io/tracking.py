@@ -91,8 +91,8 @@ def iteration_lineage(
         return opened[table]
 
     chosen: dict[str, dict[str, Any]] = {}
-    if metrics_version is None and history("iteration_metrics") is not None:
-        metrics_version = (opened["iteration_metrics"].newest(run_id, iteration) or {}).get("version")
+    if metrics_version is None and (start := history("iteration_metrics")) is not None:
+        metrics_version = (start.newest(run_id, iteration) or {}).get("version")
     todo = [("iteration_metrics", metrics_version)]
     while todo:
         table, version = todo.pop()
@@ -104,7 +104,9 @@ def iteration_lineage(
             todo += list((commit.get("upstream") or {}).items())
     out = []
     for table, uri in where.items():  # TABLES order
-        commit = chosen.get(table) or (history(table).newest(run_id, iteration) if history(table) else None)
+        commit = chosen.get(table)
+        if commit is None and (unreached := history(table)) is not None:
+            commit = unreached.newest(run_id, iteration)
         if commit is not None:
             out.append({"table": table, "uri": str(uri), **commit})
     return out
