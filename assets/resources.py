@@ -22,6 +22,7 @@ from configs.errors import explain_config_error
 from configs.schema import RunConfig
 from stages.io import store, uris
 from stages.io.checkpoints import ModelStore
+from stages.io.mlflow_seed import seed_sqlite_store
 from stages.io.tracking import (
     END_STATUSES,
     ERROR_TAG,
@@ -235,6 +236,7 @@ class TrackerResource(dg.ConfigurableResource):
     (sqlite). An experiment that already exists keeps the root it was created with."""
 
     def _client(self) -> MlflowClient:
+        seed_sqlite_store(self.tracking_uri)  # a new sqlite store: a copy of a migrated one (1.5 s -> 0.03 s)
         return MlflowClient(tracking_uri=self.tracking_uri)
 
     def _find(self, client, run_id: str, *, create_experiment: bool):
