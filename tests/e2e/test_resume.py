@@ -4,7 +4,8 @@ same tables and weights as an uninterrupted run; a Delta writer killed mid-write
 Kill points (one run, killed three times, then resumed to completion on ci_tiny, 2 iterations):
 mid-generation of iteration 0, mid-update of iteration 0, and while (or right after) the update of
 iteration 1 writes checkpoint policy_v2. Each kill takes the whole process group of the run (the
-driver, its Ray head, raylet and workers) plus every descendant seen just before the kill.
+driver, its Ray head, raylet and workers) plus every descendant seen just before the kill. The uninterrupted
+run is the session's shared ci_tiny run (the same config, trained once for several modules).
 """
 
 from __future__ import annotations
@@ -110,10 +111,14 @@ def _run_to_end(out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("resume") / "reference"
-    _run_to_end(out)
-    return out
+def reference(ci_tiny_pristine) -> tuple[Path, str]:
+    """(output dir, run id) of the uninterrupted run: the session's shared ci_tiny run (tests/shared_run.py), read
+    only. It is the same config and seed trained in-process under another run id; its tables, metrics and weights
+    equal those of a `rlake train` subprocess of the same config exactly (checked when the subprocess reference
+    it replaced was dropped: every rollout log-prob and metric identical, 2026-12-07)."""
+    from tests.shared_run import RUN as SHARED_RUN
+
+    return ci_tiny_pristine[0], SHARED_RUN
 
 
 @pytest.fixture(scope="module")
@@ -152,20 +157,21 @@ def killed_and_resumed(tmp_path_factory) -> tuple[Path, list[str]]:
     return out, hit
 
 
-def _frame(out: Path, table: str, it: int, sort: list[str]) -> pd.DataFrame:
-    return store.read_partition(str(out / "tables" / table), RUN, it).sort_values(sort).reset_index(drop=True)
+def _frame(out: Path, table: str, it: int, sort: list[str], run: str = RUN) -> pd.DataFrame:
+    return store.read_partition(str(out / "tables" / table), run, it).sort_values(sort).reset_index(drop=True)
 
 
 def test_resumed_run_has_the_same_rows_order_and_values(reference, killed_and_resumed) -> None:
     out, hit = killed_and_resumed
+    ref, ref_run = reference
     print("kill points hit:", hit)
     assert len(hit) == 3
     log = (out.parent / f"{out.name}.log").read_text(errors="replace")
     assert "resuming R (given run id) at iteration 1 from policy_v1" in log, log[-3000:]
     for it in (0, 1):
-        a, b = _frame(reference, "prompt_batches", it, ["position"]), _frame(out, "prompt_batches", it, ["position"])
+        a, b = _frame(ref, "prompt_batches", it, ["position"], ref_run), _frame(out, "prompt_batches", it, ["position"])
         assert a["prompt_id"].tolist() == b["prompt_id"].tolist() and a["epoch"].tolist() == b["epoch"].tolist()
-        a, b = _frame(reference, "rollouts", it, ["rollout_id"]), _frame(out, "rollouts", it, ["rollout_id"])
+        a, b = _frame(ref, "rollouts", it, ["rollout_id"], ref_run), _frame(out, "rollouts", it, ["rollout_id"])
         assert len(b) == 32 and b["rollout_id"].is_unique  # 8 prompts x 4 samples, no duplicates
         assert [list(x) for x in a["response_token_ids"]] == [list(x) for x in b["response_token_ids"]]
         assert a[["prompt_id", "sample_index"]].equals(b[["prompt_id", "sample_index"]])
@@ -173,14 +179,17 @@ def test_resumed_run_has_the_same_rows_order_and_values(reference, killed_and_re
             np.concatenate(a["rollout_logprobs"]), np.concatenate(b["rollout_logprobs"]), atol=1e-5
         )
         a, b = (
-            _frame(reference, "scored_rollouts", it, ["rollout_id"]),
+            _frame(ref, "scored_rollouts", it, ["rollout_id"], ref_run),
             _frame(out, "scored_rollouts", it, ["rollout_id"]),
         )
         assert a["reward"].tolist() == b["reward"].tolist()
-        a, b = _frame(reference, "advantages", it, ["rollout_id"]), _frame(out, "advantages", it, ["rollout_id"])
+        a, b = _frame(ref, "advantages", it, ["rollout_id"], ref_run), _frame(out, "advantages", it, ["rollout_id"])
         assert len(b) == 32
         np.testing.assert_allclose(a["advantage"], b["advantage"], atol=1e-6)
-        a, b = _frame(reference, "iteration_metrics", it, ["metric"]), _frame(out, "iteration_metrics", it, ["metric"])
+        a, b = (
+            _frame(ref, "iteration_metrics", it, ["metric"], ref_run),
+            _frame(out, "iteration_metrics", it, ["metric"]),
+        )
         assert a["metric"].tolist() == b["metric"].tolist() and b["metric"].is_unique
         keep = (
             ~a["metric"].isin(EXECUTION_METRICS)
@@ -201,7 +210,8 @@ def test_resumed_run_ends_with_the_same_weights_and_no_partial_checkpoints(refer
     from stages.run.resume import read_trainer_state
 
     out, _ = killed_and_resumed
-    ref, _ = load_policy(reference / "checkpoints" / RUN / "policy_v2")
+    ref_out, ref_run = reference
+    ref, _ = load_policy(ref_out / "checkpoints" / ref_run / "policy_v2")
     got, _ = load_policy(out / "checkpoints" / RUN / "policy_v2")
     for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
