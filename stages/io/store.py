@@ -453,7 +453,8 @@ def partition_dataset(dt: DeltaTable, run_id: str, iteration: int) -> pads.FileS
     """Partition (run_id, iteration) of the open table `dt` as the pyarrow dataset DeltaTable.to_pandas reads, each
     small file read whole in one request (whole_reads: on S3 one GET, not one per column chunk)."""
     return whole_small_files(
-        dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))])
+        dt.to_pyarrow_dataset(partitions=[("run_id", "=", run_id), ("iteration", "=", str(iteration))]),
+        table=dt.table_uri,
     )
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pa_fs
 from deltalake import DeltaTable
 
-from stages.io import store
+from stages.io import store, whole_reads
 from stages.io.whole_reads import WholeSmallFiles, whole_small_files
 
 
@@ -49,3 +50,71 @@ def test_reads_equal_delta_rs_and_only_small_files_are_held_whole(tmp_path) -> N
     small = WholeSmallFiles(ds.filesystem).open_input_file(path)
     assert isinstance(small, pa.BufferReader) and small.size() == size
     assert not isinstance(WholeSmallFiles(ds.filesystem, limit=size - 1).open_input_file(path), pa.BufferReader)
+
+
+class _Counting(pa_fs.FileSystemHandler):
+    """A local filesystem that counts the bytes read through the files it opens (the GETs S3 would serve)."""
+
+    def __init__(self, root: str) -> None:
+        self.base, self.root, self.reads = pa_fs.LocalFileSystem(), root, 0
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        handler, raw = self, open(f"{self.root}/{path}", "rb")  # pyarrow closes it
+
+        class Counted:
+            closed = property(lambda self: raw.closed)
+
+            def read(self, n=-1):
+                handler.reads += 1
+                return raw.read(n)
+
+            def __getattr__(self, name):
+                return getattr(raw, name)
+
+        return pa.PythonFile(Counted(), mode="r")
+
+    def get_file_info(self, paths):
+        return self.base.get_file_info([f"{self.root}/{p}" for p in paths])
+
+    def get_type_name(self) -> str:
+        return "counting"
+
+    def normalize_path(self, path: str) -> str:
+        return path
+
+    def __eq__(self, other) -> bool:
+        return other is self
+
+    def __ne__(self, other) -> bool:
+        return other is not self
+
+    get_file_info_selector = create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = None
+    delete_file = move = copy_file = open_input_stream = open_output_stream = open_append_stream = None
+
+
+def test_a_file_read_whole_is_read_once_per_process_while_the_cache_holds_it(tmp_path, monkeypatch) -> None:
+    uri = _table(tmp_path)
+    (path,) = DeltaTable(uri).file_uris(partition_filters=[("iteration", "=", "0")])
+    rel = path.split(uri, 1)[1].lstrip("/")
+    counting = _Counting(uri)
+    monkeypatch.setattr(whole_reads, "_CACHE", whole_reads.OrderedDict())
+    first = WholeSmallFiles(pa_fs.PyFileSystem(counting), table=uri).open_input_file(rel).read()
+    assert counting.reads == 1
+    # a second open, by a new handler (a new dataset, another read of the partition): served from the cache
+    again = WholeSmallFiles(pa_fs.PyFileSystem(counting), table=uri).open_input_file(rel).read()
+    assert again == first and counting.reads == 1
+    # without a table there is no key, so no cache; a cache over its byte budget drops the least recent file
+    WholeSmallFiles(pa_fs.PyFileSystem(counting)).open_input_file(rel).read()
+    assert counting.reads == 2
+    monkeypatch.setattr(whole_reads, "CACHE_BYTES", len(first) - 1)
+    whole_reads.forget_files()
+    WholeSmallFiles(pa_fs.PyFileSystem(counting), table=uri).open_input_file(rel).read()
+    WholeSmallFiles(pa_fs.PyFileSystem(counting), table=uri).open_input_file(rel).read()
+    assert counting.reads == 4 and not whole_reads._CACHE
+    # the store's reads take the cache: the same rows again, the file not read again
+    monkeypatch.setattr(whole_reads, "CACHE_BYTES", 16 << 20)
+    a = store.read_partition(uri, "r", 0)
+    held = dict(whole_reads._CACHE)
+    assert len(held) == 1 and next(iter(held))[0] == DeltaTable(uri).table_uri
+    pd.testing.assert_frame_equal(store.read_partition(uri, "r", 0), a)
+    assert dict(whole_reads._CACHE) == held
