@@ -30,6 +30,8 @@ CACHE_BYTES = 16 << 20
 """The most bytes of whole files a process keeps for a second read."""
 _CACHE: OrderedDict[tuple[str, str, int], pa.Buffer] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
+_HELD = [0]
+"""Bytes in _CACHE."""
 
 
 def _cached(key: tuple[str, str, int]) -> pa.Buffer | None:
@@ -42,16 +44,18 @@ def _cached(key: tuple[str, str, int]) -> pa.Buffer | None:
 
 def _keep(key: tuple[str, str, int], buf: pa.Buffer) -> None:
     with _CACHE_LOCK:
+        if key not in _CACHE:
+            _HELD[0] += buf.size
         _CACHE[key] = buf
-        held = sum(b.size for b in _CACHE.values())
-        while held > CACHE_BYTES and _CACHE:
-            held -= _CACHE.popitem(last=False)[1].size
+        while _HELD[0] > CACHE_BYTES and _CACHE:
+            _HELD[0] -= _CACHE.popitem(last=False)[1].size
 
 
 def forget_files() -> None:
     """Empty this process's cache of whole files."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _HELD[0] = 0
 
 
 class WholeSmallFiles(pa_fs.FileSystemHandler):

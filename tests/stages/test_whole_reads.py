@@ -97,7 +97,7 @@ def test_a_file_read_whole_is_read_once_per_process_while_the_cache_holds_it(tmp
     (path,) = DeltaTable(uri).file_uris(partition_filters=[("iteration", "=", "0")])
     rel = path.split(uri, 1)[1].lstrip("/")
     counting = _Counting(uri)
-    monkeypatch.setattr(whole_reads, "_CACHE", whole_reads.OrderedDict())
+    whole_reads.forget_files()
     first = WholeSmallFiles(pa_fs.PyFileSystem(counting), table=uri).open_input_file(rel).read()
     assert counting.reads == 1
     # a second open, by a new handler (a new dataset, another read of the partition): served from the cache
