@@ -159,11 +159,22 @@ class MaintenancePlan:
     dry_run: bool = False
 
 
+ENFORCED_PROPERTIES = ("delta.enableExpiredLogCleanup",)
+"""Table properties `rlake maintain` sets to rlake's value whatever the table has: the commit log is the lineage
+and the replay's time travel, so it is never expired. The others of store.TABLE_CONFIGURATION (checkpoint
+interval, statistics columns) are tuning: set where a table lacks them, a value a user chose is kept."""
+
+
 def _keep_log(dt: DeltaTable, dry_run: bool) -> DeltaTable:
     """A table created before rlake set store.TABLE_CONFIGURATION gets it (one metadata commit): its commit log,
-    the lineage, is then never expired by delta-rs's automatic checkpoints."""
+    the lineage, is then never expired by delta-rs's automatic checkpoints. A tuning property the table already
+    has (a user's own delta.checkpointInterval) is left as it is (ENFORCED_PROPERTIES)."""
     config = dt.metadata().configuration
-    missing = {k: v for k, v in store.TABLE_CONFIGURATION.items() if config.get(k) != v}
+    missing = {
+        k: v
+        for k, v in store.TABLE_CONFIGURATION.items()
+        if config.get(k) != v and (k in ENFORCED_PROPERTIES or k not in config)
+    }
     if missing and not dry_run:
         dt.alter.set_table_properties(missing)
     return dt

@@ -157,6 +157,12 @@ def test_maintain_sets_the_log_property_on_an_older_table(tmp_path):
     maintain_tables(str(tmp_path), tables=["old"], vacuum_retention_hours=None)
     config = DeltaTable(uri).metadata().configuration
     assert {k: config.get(k) for k in store.TABLE_CONFIGURATION} == store.TABLE_CONFIGURATION
+    # a user's own tuning stays; the log's expiry is turned off again whatever the table says
+    props = {"delta.checkpointInterval": "50", "delta.enableExpiredLogCleanup": "true"}
+    DeltaTable(uri).alter.set_table_properties(props)
+    maintain_tables(str(tmp_path), tables=["old"], vacuum_retention_hours=None)
+    config = DeltaTable(uri).metadata().configuration
+    assert config["delta.checkpointInterval"] == "50" and config["delta.enableExpiredLogCleanup"] == "false"
 
 
 def test_reading_a_vacuumed_recorded_version_says_what_and_how_to_fix(tmp_path):
