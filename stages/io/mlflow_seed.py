@@ -90,11 +90,9 @@ def seed_sqlite_store(tracking_uri: str) -> bool:
                     (str(Path.cwd() / "mlruns" / "0"), now, now),
                 )
             con.close()
-            os.link(tmp, db)  # never over a store another process created meanwhile
+            os.link(tmp, db)  # never over a store another process created meanwhile (FileExistsError)
         finally:
             os.unlink(tmp)
-    except FileExistsError:
-        return False
-    except Exception:  # seeding only saves time: MLflow creates the store as it always did
+    except Exception:  # seeding only saves time: MLflow opens or creates the store as it always did
         return False
     return True

@@ -11,8 +11,8 @@ open file. The files' sizes come from the Delta log (delta-rs's filesystem for t
 A file read whole is kept in a small process-wide cache (CACHE_BYTES, least recently used out first), keyed by the
 table, the file's path and its size: a Delta data file is never rewritten under its name (delta-rs's and rlake's
 writers name each file with a new UUID), so a second read of it (a trainer rank reads its shard's keys, then its
-rows; the driver's steps read the partitions an earlier step of the same iteration wrote or read) asks S3 again
-for nothing.
+rows; the driver's steps read partitions an earlier step of the same iteration read) asks S3 again for
+nothing.
 """
 
 from __future__ import annotations
