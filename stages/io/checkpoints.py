@@ -295,8 +295,7 @@ class ModelStore:
                 shutil.rmtree(out)
             os.replace(staged.dir, out)
         else:
-            for name in files:
-                objects.put_file(self.store, f"{prefix}/{name}", staged.dir / name)
+            objects.put_files(self.store, {f"{prefix}/{name}": staged.dir / name for name in files})
         try:
             objects.put_bytes(
                 self.store, self._key(kind, version, MANIFEST), json.dumps(manifest).encode(), create=True

@@ -203,8 +203,8 @@ def prune_checkpoints(uri: str, *, dry_run: bool = False, storage_options: Optio
         span = version // KEEP_CHECKPOINT_EVERY
         kept[span] = max(version, kept.get(span, version))
     gone = [k for v, keys in found.items() if v not in kept.values() for k in keys]
-    for key in gone if not dry_run else ():
-        objects.delete(store_, key)
+    if gone and not dry_run:
+        objects.delete(store_, gone)
     return len(gone)
 
 

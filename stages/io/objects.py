@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import obstore
@@ -34,12 +36,29 @@ __all__ = [
     "open_store",
     "put_bytes",
     "put_file",
+    "put_files",
 ]
 
 AlreadyExists = (AlreadyExistsError, PreconditionError)
 """What a create-only put of an existing key raises (local: AlreadyExists; S3: 412 Precondition Failed)."""
 
 _STORES: dict[tuple[str, tuple], object] = {}
+IO_THREADS = 8
+"""Objects put or got at once by put_files and download: a checkpoint is ~10 files (weights shards, optimizer
+state, tokenizer files), and one after the other each waits a full round trip to the store."""
+
+
+def _each(fn: Callable[[object], None], items: Iterable) -> None:
+    """fn(item) for every item, up to IO_THREADS at once (obstore's calls release the GIL while they wait);
+    the first error is raised once all have finished."""
+    items = list(items)
+    if len(items) <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(min(IO_THREADS, len(items)), thread_name_prefix="rlake-objects") as pool:
+        for future in [pool.submit(fn, item) for item in items]:
+            future.result()
 
 
 def open_store(root: str, options: dict[str, str] | None = None):
@@ -63,6 +82,11 @@ def put_bytes(store, key: str, data: bytes, *, create: bool = False) -> None:
 def put_file(store, key: str, path: Path) -> None:
     """Upload a local file (multipart for large ones, obstore's default)."""
     obstore.put(store, key, Path(path))
+
+
+def put_files(store, files: dict[str, Path]) -> None:
+    """Upload {key: local file}, IO_THREADS at a time (each multipart when large)."""
+    _each(lambda item: put_file(store, *item), files.items())
 
 
 def get_bytes(store, key: str) -> bytes | None:
@@ -92,35 +116,44 @@ def list_keys(store, prefix: str) -> list[str]:
         return []
 
 
-def delete(store, key: str) -> None:
-    """Delete the object at `key` (one already gone is no error)."""
+def delete(store, keys: str | list[str]) -> None:
+    """Delete the object at each key (S3: one DeleteObjects request per 1000 keys); one already gone is no error."""
+    keys = [keys] if isinstance(keys, str) else keys
     try:
-        obstore.delete(store, key)
-    except FileNotFoundError:
-        pass
+        obstore.delete(store, keys)
+    except FileNotFoundError:  # a local store refuses the whole call for one missing file: the rest one by one
+        for key in keys:
+            try:
+                obstore.delete(store, key)
+            except FileNotFoundError:
+                pass
 
 
 def delete_prefix(store, prefix: str) -> int:
     """Delete every key under `prefix`; returns how many."""
     keys = list_keys(store, prefix)
-    for key in keys:
-        obstore.delete(store, key)
+    if keys:
+        delete(store, keys)
     return len(keys)
 
 
 def download(store, keys: dict[str, str], dest: Path) -> Path:
-    """Download {relative name: key} into a fresh directory `dest` (written beside it first and renamed, so
-    `dest` is complete or absent; a concurrent download of the same dest keeps the first)."""
+    """Download {relative name: key} into a fresh directory `dest`, IO_THREADS objects at a time (written beside
+    it first and renamed, so `dest` is complete or absent; a concurrent download of the same dest keeps the
+    first)."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+    def fetch(item: tuple[str, str]) -> None:
+        target = tmp / item[0]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as fh:
+            for chunk in obstore.get(store, item[1]):
+                fh.write(chunk)
+
     tmp.mkdir(parents=True)
     try:
-        for name, key in keys.items():
-            target = tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as fh:
-                for chunk in obstore.get(store, key):
-                    fh.write(chunk)
+        _each(fetch, keys.items())
         try:
             os.rename(tmp, dest)
         except OSError:

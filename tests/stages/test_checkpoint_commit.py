@@ -65,6 +65,36 @@ def test_local_raw_manifest_put_is_create_only(tmp_path) -> None:
     assert objects.get_bytes(store, "r/policy_v0/MANIFEST.json") == b"{}"
 
 
+def _many_files_round_trip(store, tmp_path: Path) -> None:
+    """put_files / download / delete of more objects than objects.IO_THREADS (sub-directories too); a delete
+    naming a key already gone deletes the others."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {f"f{i}.bin" if i % 3 else f"sub/f{i}.bin": bytes([i]) * (1000 + i) for i in range(objects.IO_THREADS + 5)}
+    for name, body in files.items():
+        (src / name).write_bytes(body)
+    objects.put_files(store, {f"many/{name}": src / name for name in files})
+    got = objects.download(store, {name: f"many/{name}" for name in files}, tmp_path / "got")
+    assert {name: (got / name).read_bytes() for name in files} == files
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    objects.delete(store, ["many/f1.bin", "many/f2.bin"])
+    objects.delete(store, ["many/f1.bin", "many/f4.bin"])  # f1 is gone already
+    assert objects.delete_prefix(store, "many") == len(files) - 3 and objects.list_keys(store, "many") == []
+    with pytest.raises(FileNotFoundError):  # nothing was downloaded, and no partial directory is left
+        objects.download(store, {"f5.bin": "many/f5.bin"}, tmp_path / "none")
+    assert not (tmp_path / "none").exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_local_objects_put_get_and_delete_many(tmp_path) -> None:
+    _many_files_round_trip(objects.open_store(str(tmp_path / "store")), tmp_path)
+
+
+@pytest.mark.cluster
+def test_s3_objects_put_get_and_delete_many(s3_env, tmp_path) -> None:
+    _many_files_round_trip(objects.open_store(s3_env.root("many")), tmp_path)
+    assert not s3_env.keys("many/")
+
+
 def test_retract_then_recommit_and_prune(tiny_checkpoint, tmp_path) -> None:
     ms = ModelStore(tmp_path, "run")
     for v in range(4):
