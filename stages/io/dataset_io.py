@@ -117,13 +117,16 @@ def read_partition_dataset(
     version: int | None = None,
     columns: list[str] | None = None,
     storage_options: Options = None,
+    files: list[str] | None = None,
 ) -> ray.data.Dataset:
     """A Dataset of partition (run_id, iteration) of the table at `uri` as of `version` (newest when None):
     one read task per Parquet file; `columns` projects in the files (those a file has: _read_files; the partition
-    columns always come)."""
-    if not table_exists(uri, storage_options=storage_options):
-        raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
-    files = partition_files(uri, run_id, iteration, version=version, storage_options=storage_options)
+    columns always come). `files`: the partition's files at `version` when the caller has listed them already
+    (partition_files)."""
+    if files is None:
+        if not table_exists(uri, storage_options=storage_options):
+            raise FileNotFoundError(f"no Delta table at '{uri}': materialize its asset first")
+        files = partition_files(uri, run_id, iteration, version=version, storage_options=storage_options)
     if not files:
         raise missing_partition_error(uri, version, run_id, iteration, what="files")
     listing = ray.data.from_items([{"path": p, "run_id": run_id, "iteration": iteration} for p in files])
@@ -206,7 +209,6 @@ def write_partition_dataset(
         batch_format="pandas",
         batch_size=None,
         fn_kwargs={"uri": uris.target(uri), "options": options, "name": name, "run_id": run_id, "iteration": iteration},
-        scheduling_strategy="SPREAD",
     ).to_pandas()  # one small row per written file: the only thing that reaches the caller
     files = files[files["rows"] > 0] if "rows" in files else files  # no block at all: no columns either
     if not len(files):

@@ -313,21 +313,32 @@ def cpu_nodes() -> int:
     return max(1, sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0))
 
 
+def ray_blocks(rows: int) -> int:
+    """Blocks a Ray Data stage cuts `rows` into: at least one per CPU node, at most BATCH_ROWS rows each, never
+    an empty one."""
+    return max(1, min(rows, max(cpu_nodes(), -(-rows // BATCH_ROWS))))
+
+
 def _run_ray(
     fn: BatchFn, source: str, target: str, name: str, *, run_id, iteration, version, lineage, opts, columns, rows: int
 ) -> int:
     """Ray Data: read tasks, map_batches(fn) and write tasks on the workers; one commit here. The rows are cut into
-    at least one block per CPU node (a driver-written partition is one file, one block) and the map and write
-    tasks SPREAD over the nodes, so every node with CPUs scores a part (the commit records the writing nodes)."""
+    at least one block per CPU node and blocks of at most BATCH_ROWS rows (ray_blocks). When the partition's
+    files are already such blocks (ranks that wrote one file each), each file is one block and read, `fn` and the
+    write fuse into one task per file; else (a driver-written partition is one file) the read is repartitioned
+    first. Tasks with small arguments are spread over the nodes (Ray Data's default scheduling strategy, SPREAD),
+    so every node with CPUs scores a part (the commit records the writing nodes)."""
+    actions = dataset_io.partition_actions(source, run_id, iteration, version=version, storage_options=opts)
     ds = dataset_io.read_partition_dataset(
-        source, run_id, iteration, version=version, columns=columns, storage_options=opts
+        source, run_id, iteration, version=version, columns=columns, storage_options=opts, files=actions["path"]
     )
-    blocks = max(1, min(rows, max(cpu_nodes(), -(-rows // BATCH_ROWS))))
-    ds = ds.repartition(blocks).map_batches(
+    blocks, counts = ray_blocks(rows), actions.get("num_records", [])
+    if not (len(counts) >= blocks and all(c is not None and 0 < c <= BATCH_ROWS for c in counts)):
+        ds = ds.repartition(blocks)
+    ds = ds.map_batches(
         lambda df: fn(df.drop(columns=[c for c in dataset_io.KEYS if c in df.columns])),
         batch_format="pandas",
         batch_size=None,
-        scheduling_strategy="SPREAD",
     )
     return dataset_io.write_partition_dataset(
         ds, target, name, run_id=run_id, iteration=iteration, lineage=lineage, storage_options=opts
