@@ -76,6 +76,7 @@ class RunProgress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
             self._bar = None
+        self.console.file.flush()  # its own file on stdout's descriptor: nothing left in it at exit (exit_now)
 
     def phase(self, name: str, detail: str = "") -> None:
         """A set-up phase (before the iterations): shown live, and as a plain line without a terminal."""
