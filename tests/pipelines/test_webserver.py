@@ -308,17 +308,17 @@ def _scenario(c: Cockpit) -> None:
     assert c.wait(c.runs["setup-b"]) == "SUCCESS"
     c.runs["it0-b"] = c.wait_for_sensor_run(f"0|{B}")
     assert c.wait(c.runs["it0-b"]) == "SUCCESS"
+    # a launch-time config that does not validate fails that run at start, with rlake's what/why/fix message; its
+    # process starts while the sensor is watched (a failed set-up run chains nothing)
+    c.runs["bad"] = c.launch("rlake_setup_job", B, overrides=c.overrides("rollout.nn=8"))
     time.sleep(12)  # two sensor intervals: nothing follows the last iterations
     c.set_sensor(False)
-
-    # a launch-time config that does not validate fails that run at start, with rlake's what/why/fix message
-    c.runs["bad"] = c.launch("rlake_setup_job", B, overrides=c.overrides("rollout.nn=8"))
-    assert c.wait(c.runs["bad"]) == "FAILURE"
 
     c.scored_before = store.table_version(str(c.out / "tables" / "scored_rollouts"))
     c.runs["rescore"] = c.launch(
         "rl_iteration_job", A, iteration=0, assets=["scored_rollouts"], overrides=c.overrides("rollout.n=8")
     )
+    assert c.wait(c.runs["bad"]) == "FAILURE"
     assert c.wait(c.runs["rescore"]) == "SUCCESS"
 
 
