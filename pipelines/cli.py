@@ -171,7 +171,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     uri = args.tracking_uri
     if uri is None:
         cfg = load_config(args.config)
-        uri = cfg.trainer.mlflow_tracking_uri or f"sqlite:///{Path(cfg.trainer.output_dir).resolve() / 'mlflow.db'}"
+        uri = cfg.trainer.tracking_uri
     prefixes = tuple(p.strip() for p in args.metrics.split(",") if p.strip())
     print(
         format_comparison(

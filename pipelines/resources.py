@@ -40,7 +40,7 @@ def tracker_for(cfg: RunConfig) -> TrackerResource:
     beside the run, in <trainer.output_dir>/mlartifacts: a one-host store (docs/cluster.md: a cluster uses a
     server)."""
     out = Path(cfg.trainer.output_dir).resolve()
-    uri = cfg.trainer.mlflow_tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
+    uri = cfg.trainer.tracking_uri
     return TrackerResource(
         tracking_uri=uri,
         experiment_name=cfg.trainer.project_name,

@@ -27,6 +27,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -81,14 +82,18 @@ def shares_policy_tokenizer(cfg: RunConfig) -> bool:
     """Whether the RM's tokenizer is the policy's: it reads every id of the policy's vocabulary as the same
     token (a tokenizer loaded from a checkpoint may add a token after them, e.g. Qwen2's unk). Then the
     policy's token ids are scored as they are, else the rollouts' text is re-tokenized
-    (stages/workers/reward_model_worker.py)."""
-    path = cfg.model.path
+    (stages/workers/reward_model_worker.py). Both tokenizers are loaded once per process and paths."""
+    return _same_vocabulary(cfg.model.path, cfg.model.tiny.tool_tokens, cfg.reward.reward_model.model_path)
+
+
+@functools.lru_cache(maxsize=8)
+def _same_vocabulary(policy_path: str, tool_tokens: bool, rm_path: str) -> bool:
     policy = (
-        build_char_tokenizer(tool_tokens=cfg.model.tiny.tool_tokens)
-        if path == "tiny"
-        else load_tokenizer(resolve_model_path(path))
+        build_char_tokenizer(tool_tokens=tool_tokens)
+        if policy_path == "tiny"
+        else load_tokenizer(resolve_model_path(policy_path))
     )
-    rm_vocab = load_tokenizer(cfg.reward.reward_model.model_path).get_vocab()
+    rm_vocab = load_tokenizer(rm_path).get_vocab()
     return all(rm_vocab.get(token) == i for token, i in policy.get_vocab().items())
 
 

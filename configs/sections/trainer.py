@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -69,6 +70,11 @@ class TrainerConfig(_Strict):
     def rollout_version(self, iteration: int) -> int:
         """The policy version that samples iteration `iteration`'s rollouts (see async_mode)."""
         return max(iteration - self.policy_lag, 0)
+
+    @property
+    def tracking_uri(self) -> str:
+        """mlflow_tracking_uri, else the sqlite store under output_dir (absolute: the URI works from any cwd)."""
+        return self.mlflow_tracking_uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"
 
     @property
     def policy_lag(self) -> int:
