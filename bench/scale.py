@@ -10,9 +10,9 @@ scored_rollouts, advantages and iteration_metrics assets run (recorded-version r
 write with lineage, metadata) and reports its RSS after imports, each step's own peak RSS (the peak counter reset
 when the step begins) and seconds per part; a third runs the iteration_metrics step alone (its footprint).
 --iterations: grows a run's tables (tiny_cpu's GRPO DAG) one small partition per table per iteration (real writes
-with lineage, MLflow metrics and dataset inputs), and at each N times iteration N's bookkeeping by call site
-(--repeat k: k iterations from N on, the median of each number), and the CPU seconds of all the process's threads
-in it (steadier than wall time on a shared box).
+with lineage, MLflow metrics and dataset inputs), one run per N, and times iteration N's bookkeeping by call site
+(--repeat k: k iterations from N on, the median of each number; the runs' iterations alternate), and the CPU
+seconds of all the process's threads in it (steadier than wall time on a shared box).
 """
 
 from __future__ import annotations
@@ -398,7 +398,8 @@ def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
     with clock("first opens of the 9 tables in a new process (per launch / UI run)"):
         for table in ["prompts", *ITER_TABLES]:
             delta.open_table(store.uri(table))
-    _MLFLOW_RUNS.clear()  # a new process (a launch, a Dagster run of its own) searches MLflow once
+    # a new process (a launch, a Dagster run of its own) searches MLflow once; the other runs' stay remembered
+    _MLFLOW_RUNS.pop((tracker.tracking_uri, tracker.experiment_name, RUN))
     with clock("mlflow run_for, first in a process (per launch)"):
         tracker.run_for(RUN, cfg, step=it + 1)
     with clock("rlake sql query"):
@@ -410,56 +411,92 @@ def bookkeeping(store, tracker, cfg: RunConfig, it: int, frames: dict) -> dict:
     return out | {**counts, "files": files}
 
 
-def measured(store, tracker, cfg: RunConfig, n: int, frames: dict, repeat: int) -> dict:
-    """bookkeeping of iterations n, n+2, ... (`repeat` of them), each number the median over them (the machine is
-    shared: one sample is noise). First one untimed bookkeeping (iteration n): the process's first reads, lineage
-    walks and MLflow calls at this size pay one-time costs (imports, caches) that are no iteration's. Before each
-    measured one, one untimed write_iteration opens again the copies the previous one's new-process part dropped
-    (forget_tables)."""
-    bookkeeping(store, tracker, cfg, n, frames)
-    stop_counting()
-    rows = []
-    for r in range(repeat):
-        write_iteration(store, cfg, n + 2 * r + 1, frames)
-        rows.append(bookkeeping(store, tracker, cfg, n + 2 * r + 2, frames))
+class Lake:
+    """One run's tables and MLflow store under their own directory, grown to `size` iterations (the 10-, 100- and
+    1000-iteration runs are measured side by side, so the box's drift falls on all of them alike)."""
+
+    def __init__(self, size: int, frames: dict):
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"rlake-scale-it{size}-"))
+        self.cfg, self.store = run_of(self.tmp)
+        uri, art = f"sqlite:///{self.tmp}/mlflow.db", str(self.tmp / "mlartifacts")
+        self.tracker = TrackerResource(tracking_uri=uri, artifact_root=art)
+        self.size, self.frames, self.rows = size, frames, []
+        write_table(self.store, self.cfg, "prompts", small_frame("prompts", 64), -1, policy_version=None, upstream={})
+        mlflow_id, client = self.tracker.run_for(RUN, self.cfg, step=0), self.tracker._client()
+        t0 = time.perf_counter()
+        for it in range(size):
+            versions = write_iteration(self.store, self.cfg, it, frames)
+            self.tracker.log_metrics(mlflow_id, {f"m/{k}": float(k) for k in range(40)}, step=it + 1)
+            entries = [{"table": t, "uri": str(self.store.uri(t)), "version": versions[t]} for t in LOGGED]
+            client.log_inputs(mlflow_id, datasets=[delta_dataset_input(e, it) for e in entries])
+        self.grow_s = time.perf_counter() - t0
+        self.next = size
+        # First one untimed bookkeeping: the process's first reads, lineage walks and MLflow calls at this size pay
+        # one-time costs (imports, caches) that are no iteration's.
+        self.bookkeeping()
         stop_counting()
-    mid = statistics.median
-    calls = {k: mid(r["calls_s"][k] for r in rows) for k in rows[0]["calls_s"]}
-    numbers = {k: mid(r[k] for r in rows) for k in ("per_iteration_s", "per_iteration_cpu_s", "opens", "history")}
-    return {**rows[0], "iteration": n, **numbers, "calls_s": calls, "files": rows[-1]["files"], "samples": rows}
+
+    def bookkeeping(self) -> dict:
+        out = bookkeeping(self.store, self.tracker, self.cfg, self.next, self.frames)
+        self.next += 1
+        return out
+
+    def sample(self) -> None:
+        """One measured iteration. Before it, one untimed write_iteration opens again the copies the previous
+        one's new-process part dropped (forget_tables)."""
+        write_iteration(self.store, self.cfg, self.next, self.frames)
+        self.next += 1
+        self.rows.append(self.bookkeeping())
+        stop_counting()
+
+    def summary(self) -> dict:
+        """Each number the median over the samples (the machine is shared: one sample is noise)."""
+        rows, mid = self.rows, statistics.median
+        calls = {k: mid(r["calls_s"][k] for r in rows) for k in rows[0]["calls_s"]}
+        for r in rows:  # what rlake looks up and logs, less the tables' own commits (delta-rs's write path)
+            r["less_writes_s"] = r["per_iteration_s"] - r["calls_s"]["8 writes"]
+        keys = ("per_iteration_s", "less_writes_s", "per_iteration_cpu_s", "opens", "history")
+        numbers = {k: mid(r[k] for r in rows) for k in keys}
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {
+            **rows[0],
+            "iteration": self.size,
+            **numbers,
+            "calls_s": calls,
+            "files": rows[-1]["files"],
+            "samples": rows,
+            "grow_s": self.grow_s,
+        }
 
 
 def run_iterations(counts: list[int], repeat: int = 1) -> list[dict]:
-    """Grow one run to each count in turn (tight loop of writes + MLflow inputs), measuring iteration N each time
-    (`repeat` iterations from N on: the medians)."""
-    tmp = Path(tempfile.mkdtemp(prefix="rlake-scale-it-"))
-    cfg, store = run_of(tmp)
-    tracker = TrackerResource(tracking_uri=f"sqlite:///{tmp}/mlflow.db", artifact_root=str(tmp / "mlartifacts"))
+    """One run per count, each grown to it (tight loop of writes + MLflow inputs), then `repeat` measured
+    iterations of each, in rounds: one of every run per round, the order reversed every other round. Measured one
+    after the other (all of N = 10 first, then all of N = 1000), a ratio of two medians moved by 0.5 between runs
+    of this benchmark on one box: its load changes over minutes."""
     frames = {t: small_frame(t) for t in ITER_TABLES}
-    write_table(store, cfg, "prompts", small_frame("prompts", 64), -1, policy_version=None, upstream={})
-    mlflow_id, client = tracker.run_for(RUN, cfg, step=0), tracker._client()
-    done, out = 0, []
+    lakes = []
     for n in counts:
-        t0 = time.perf_counter()
-        for it in range(done, n):
-            versions = write_iteration(store, cfg, it, frames)
-            tracker.log_metrics(mlflow_id, {f"m/{k}": float(k) for k in range(40)}, step=it + 1)
-            entries = [{"table": t, "uri": str(store.uri(t)), "version": versions[t]} for t in LOGGED]
-            client.log_inputs(mlflow_id, datasets=[delta_dataset_input(e, it) for e in entries])
-        grow = time.perf_counter() - t0
-        row = measured(store, tracker, cfg, n, frames, repeat) | {"grow_s": grow}
-        done = n + 2 * repeat + 1
-        out.append(row)
-        print(f"iteration {n}: {row['per_iteration_s']:.2f} s (grown in {grow:.0f} s)", file=sys.stderr, flush=True)
-    shutil.rmtree(tmp, ignore_errors=True)
+        lakes.append(Lake(n, frames))
+        print(f"iteration {n}: grown in {lakes[-1].grow_s:.0f} s", file=sys.stderr, flush=True)
+    for r in range(repeat):
+        for lake in lakes if r % 2 == 0 else lakes[::-1]:
+            lake.sample()
+    out = [lake.summary() for lake in lakes]
+    for row in out:
+        print(f"iteration {row['iteration']}: {row['per_iteration_s']:.2f} s", file=sys.stderr, flush=True)
     return out
 
 
 def iterations_table(rows: list[dict]) -> str:
-    sites = list(rows[0]["calls_s"])
-    head = ["iteration N", "**bookkeeping s / iteration**", "its CPU s", "Delta opens", "history() calls", *sites]
-    head.append("parquet files")
-    cells = [[r["iteration"], r["per_iteration_s"], r["per_iteration_cpu_s"], r["opens"], r["history"]] for r in rows]
+    sites, first = list(rows[0]["calls_s"]), rows[0]
+    head = ["iteration N", "**bookkeeping s / iteration**", f"x N={first['iteration']}", "less the 8 writes s"]
+    head += [f"x N={first['iteration']}", "its CPU s", "Delta opens", "history() calls", *sites, "parquet files"]
+    cells = [
+        [r["iteration"], r["per_iteration_s"], r["per_iteration_s"] / first["per_iteration_s"], r["less_writes_s"]]
+        + [r["less_writes_s"] / first["less_writes_s"], r["per_iteration_cpu_s"], r["opens"], r["history"]]
+        for r in rows
+    ]
     cells = [c + [r["calls_s"][s] for s in sites] + [sum(r["files"].values())] for c, r in zip(cells, rows)]
     files = [[t, *(r["files"][t] for r in rows)] for t in rows[0]["files"]]
     return md(head, cells) + "\n\n" + md(["table", *(f"parquet files at {r['iteration']}" for r in rows)], files)
