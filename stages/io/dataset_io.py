@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from deltalake import CommitProperties
+from deltalake import CommitProperties, DeltaTable
 from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
@@ -48,6 +48,7 @@ from stages.io.store import (
     open_table,
     table_exists,
     to_arrow,
+    write_through,
 )
 from stages.io.tables import COMMIT_SETS
 
@@ -253,17 +254,19 @@ def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration,
             commit_properties=props,
             configuration=TABLE_CONFIGURATION,
         )
-    else:
-        dt = open_table(uri, storage_options=storage_options)
+        return open_table(uri, storage_options=storage_options).version()
+
+    def commit(dt: DeltaTable) -> None:
         # the commit's schema is the table's: the union keeps columns other partitions have (a custom reward's
         # extra keys of earlier iterations) and adds this write's new ones, as store.write_partition's merge
-        full = pa.unify_schemas([pa.schema(dt.schema().to_arrow()), full], promote_options="permissive")
+        schema = pa.unify_schemas([pa.schema(dt.schema().to_arrow()), full], promote_options="permissive")
         dt.create_write_transaction(
             actions,
             mode="overwrite",
-            schema=full,
+            schema=schema,
             partition_by=list(KEYS),
             partition_filters=[("run_id", "=", run_id), ("iteration", "=", str(iteration))],
             commit_properties=props,
         )
-    return open_table(uri, storage_options=storage_options).version()
+
+    return write_through(uri, commit, storage_options=storage_options, advances=False)

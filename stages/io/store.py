@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
 
 from stages.io import commit_reads, uris
 from stages.io.tables import COLUMN_DEFAULTS, COMMIT_SETS, EXTRA_COLUMNS, LEGACY_FIELDS, SCHEMAS
@@ -200,6 +201,53 @@ def _remember_held(path: str, opts: dict[str, str] | None) -> None:
             commit_reads.remember((*key, stamp), table)
 
 
+WRITE_ATTEMPTS = 3
+"""Commits of one write tried before its CommitFailedError is raised (write_through)."""
+
+
+def write_through(
+    uri: str, write: Callable[[DeltaTable], object], *, storage_options: Options = None, advances: bool = True
+) -> int:
+    """Make one commit, `write(table)`, through this process's open copy of the existing table at `uri`, and
+    return the version it committed. `advances`: the write leaves the copy at that version (write_deltalake reads
+    its own commit back); else (DeltaTable.create_write_transaction) the copy is brought up to date after it.
+
+    A remote table's copy is not brought up to date first: on S3 that is a LIST and a GET of `_last_checkpoint`
+    before each write, and a commit checks the commits made since its snapshot anyway. delta-rs commits after a
+    concurrent write to another partition; one that added or removed files of the partition written, or changed
+    the table's schema, fails the commit (CommitFailedError). Then the copy is brought up to date and `write`
+    made again: last writer wins, as with a copy brought up to date first. A local copy is brought up to date by
+    open_table (a stat of the next commit file)."""
+    path, opts = _open(uri, storage_options)
+    table = None if uris.is_local(path) else _held(path, opts)
+    if table is None:
+        table = open_table(uri, storage_options=storage_options)
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            write(table)
+            break
+        except CommitFailedError:
+            if attempt == WRITE_ATTEMPTS:
+                raise
+            with _TABLES_LOCK:
+                table.update_incremental()
+    if not advances:
+        with _TABLES_LOCK:
+            table.update_incremental()
+    _remember_held(path, opts)  # the version it wrote: a read at it takes commit_reads' way
+    return table.version()
+
+
+def _held(path: str, opts: dict[str, str] | None) -> DeltaTable | None:
+    """This process's open copy of the table, as it is, if it has one that open_table would not open anew."""
+    key = (path, json.dumps(opts or {}, sort_keys=True))
+    with _TABLES_LOCK:
+        table, created, opened_at = _TABLES.get(key, (None, None, 0))
+        if table is None or created != _created(path) or _stale(table, opened_at):
+            return None
+        return table
+
+
 def commit_key(uri: str, storage_options: Options = None) -> tuple[str, tuple]:
     """(what delta-rs opens, the table's key) of the table at `uri` for stages.io.commit_reads, the version this
     process's open copy is at remembered first."""
@@ -368,19 +416,20 @@ def write_partition(
         )
         return open_table(uri, storage_options=storage_options).version()
     safe_run = run_id.replace("'", "''")
-    table = open_table(uri, storage_options=storage_options)  # the write leaves it at the version it committed
     # schema_mode=merge: a table written by an older rlake gains the new columns (null in old rows)
     # instead of refusing a resumed run's writes
-    write_deltalake(
-        table,
-        data,
-        mode="overwrite",
-        predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
-        commit_properties=props,
-        schema_mode="merge",
+    return write_through(
+        uri,
+        lambda table: write_deltalake(
+            table,
+            data,
+            mode="overwrite",
+            predicate=f"run_id = '{safe_run}' AND iteration = {iteration}",
+            commit_properties=props,
+            schema_mode="merge",
+        ),
+        storage_options=storage_options,
     )
-    _remember_held(path, opts)  # the version it wrote: a read at it takes commit_reads' way
-    return table.version()
 
 
 def commit_metadata(name: str, data: pa.Table, run_id: str, iteration: int, lineage: dict[str, Any]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from configs.errors import load_run_config
 from pipelines.cli import main
 from pipelines.rescore import scored_partition_version
 from pipelines.resources import _rollout_store
-from stages.io import sql, store, uris
+from stages.io import dataset_io, sql, store, uris
 from stages.io.checkpoints import ModelStore
 from stages.io.plots import load_run_metrics
 from stages.io.tables import SCHEMAS
@@ -245,3 +245,49 @@ def test_an_absent_table_is_listed_once_in_a_pinned_scope(s3, monkeypatch) -> No
     absent = res.uri("values")
     assert not store.table_exists(absent) and not store.table_exists(absent)  # outside a scope: a LIST each
     assert len(listed) == 4  # 1 + write_partition looking again before it created the table + 2
+
+
+def _other_writer(res, table: str, rows: pd.DataFrame, iteration: int) -> None:
+    """Another process's write of partition (r1, iteration): its own DeltaTable, not this process's open copy."""
+    path, opts = store._open(res.uri(table), None)
+    data = store.to_arrow(table, rows.assign(run_id="r1", iteration=iteration))
+    predicate = f"run_id = 'r1' AND iteration = {iteration}"
+    store.write_deltalake(store.DeltaTable(path, storage_options=opts), data, mode="overwrite", predicate=predicate)
+
+
+def test_a_remote_write_skips_the_refresh_and_a_conflict_makes_it_again(s3, monkeypatch) -> None:
+    """A remote table's open copy writes without being brought up to date first (a LIST and a GET fewer): another
+    writer's commit to another partition is kept, and one to the same partition fails delta-rs's commit, which
+    is then made again from the up-to-date copy (last writer wins), for both write paths."""
+    _, _, _, cfg = s3
+    res = _rollout_store(cfg)
+    refreshed, real = [], store.DeltaTable.update_incremental
+    monkeypatch.setattr(store.DeltaTable, "update_incremental", lambda t, *a: refreshed.append(t) or real(t, *a))
+    res.write("iteration_metrics", _metrics({"m": 1.0}, 0), run_id="r1", iteration=0, lineage=_lineage("m", {}))
+    _other_writer(res, "iteration_metrics", _metrics({"m": 2.0}, 1), 1)  # version 1: another partition
+    refreshed.clear()
+    v = res.write("iteration_metrics", _metrics({"m": 3.0}, 2), run_id="r1", iteration=2, lineage=_lineage("m", {}))
+    assert (v, refreshed) == (2, [])  # committed after the other writer's version, without a refresh
+
+    _other_writer(res, "iteration_metrics", _metrics({"m": 4.0}, 0), 0)  # version 3: the partition written next
+    v = res.write("iteration_metrics", _metrics({"m": 5.0}, 0), run_id="r1", iteration=0, lineage=_lineage("m", {}))
+    assert v == 4 and len(refreshed) == 1  # one failed commit, one refresh, the write made again
+    assert {it: res.read("iteration_metrics", "r1", it)[0]["value"].tolist() for it in (0, 1, 2)} == {
+        0: [5.0],
+        1: [2.0],
+        2: [3.0],
+    }
+
+    # the stage path: files the workers wrote, ONE commit of them (stages/io/dataset_io.commit_files); a Delta
+    # transaction does not advance the copy, so it is brought up to date after it as well as after the conflict
+    uri, refreshed[:] = res.uri("iteration_metrics"), []
+    _other_writer(res, "iteration_metrics", _metrics({"m": 6.0}, 1), 1)  # version 5
+    opts = uris.options_of(uri, None)
+    files = dataset_io.write_block(
+        _metrics({"m": 7.0}, 1), uri=uris.target(uri), options=opts, name="iteration_metrics", run_id="r1", iteration=1
+    )
+    v = dataset_io.commit_files(
+        uri, "iteration_metrics", files, run_id="r1", iteration=1, lineage=_lineage("m", {}), storage_options=None
+    )
+    assert v == 6 and len(refreshed) == 2 and res.read("iteration_metrics", "r1", 1)[0]["value"].tolist() == [7.0]
+    assert [c["version"] for c in res.lineage("iteration_metrics", run_id="r1", iteration=1)] == [6]
