@@ -337,3 +337,34 @@ def pool_postgres_connections(instance) -> bool:
         return False
     instance.optimize_for_webserver(**POSTGRES_POOL)
     return True
+
+
+def remember_partition_keys(instance) -> None:
+    """Answer `instance.has_dynamic_partition` from memory for a key it found in this process. Dagster asks it for
+    every partitioned input and output of every step (each run x iteration key range is checked key by key, one
+    query each: on the cluster's Postgres ~0.1 s of each iteration, from a py-spy profile of the driver, issue #37).
+    A key found stays found: rlake adds the run's and iteration's partitions and never deletes one; a deletion made
+    through this instance is forgotten here. A key not found is asked again each time (another process may add
+    it). One a user deletes from another process (the UI) while this one runs stays found here until it ends."""
+    ask, delete = instance.has_dynamic_partition, instance.delete_dynamic_partition
+    found: set[tuple[str, str]] = set()
+    lock = threading.Lock()
+
+    def has_dynamic_partition(partitions_def_name: str, partition_key: str) -> bool:
+        key = (partitions_def_name, partition_key)
+        with lock:
+            if key in found:
+                return True
+        if not ask(partitions_def_name, partition_key):
+            return False
+        with lock:
+            found.add(key)
+        return True
+
+    def delete_dynamic_partition(partitions_def_name: str, partition_key: str) -> None:
+        with lock:
+            found.discard((partitions_def_name, partition_key))
+        delete(partitions_def_name, partition_key)
+
+    instance.has_dynamic_partition = has_dynamic_partition
+    instance.delete_dynamic_partition = delete_dynamic_partition

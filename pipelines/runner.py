@@ -37,6 +37,7 @@ from pipelines.dagster_storage import (  # noqa: F401 - API
     check_instance_yaml,
     dagster_home,
     pool_postgres_connections,
+    remember_partition_keys,
 )
 from pipelines.definitions import build_definitions
 from pipelines.heap import frozen_heap
@@ -136,9 +137,11 @@ def run_training(
 
 
 def _instance() -> dg.DagsterInstance:
-    """The DAGSTER_HOME's instance; on a team's Postgres it keeps its connections open for the run."""
+    """The DAGSTER_HOME's instance; on a team's Postgres it keeps its connections open for the run, and partition
+    keys it found are not looked up again (dagster_storage.remember_partition_keys)."""
     instance = dg.DagsterInstance.get()
     pool_postgres_connections(instance)
+    remember_partition_keys(instance)
     return instance
 
 

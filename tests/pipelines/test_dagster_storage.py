@@ -11,7 +11,7 @@ import dagster as dg
 import pytest
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
 
-from pipelines.dagster_storage import PooledSqliteEventLogStorage, _WalWatchdog
+from pipelines.dagster_storage import PooledSqliteEventLogStorage, _WalWatchdog, remember_partition_keys
 from pipelines.runner import dagster_home
 
 
@@ -100,3 +100,31 @@ def test_home_opened_from_its_directory_and_moved_homes_follow(tmp_path: Path, m
     moved_instance = dg.DagsterInstance.from_config(str(moved))
     assert len(moved_instance.fetch_materializations(dg.AssetKey("numbers"), limit=5).records) == 1
     moved_instance.dispose()
+
+
+RUNS = dg.DynamicPartitionsDefinition(name="runs")
+
+
+@dg.asset(partitions_def=dg.MultiPartitionsDefinition({"run": RUNS, "part": dg.StaticPartitionsDefinition(["0", "1"])}))
+def per_run(context) -> dg.MaterializeResult:
+    return dg.MaterializeResult(metadata={"partition": str(context.partition_key)})
+
+
+def test_found_partition_keys_are_not_asked_again(home: Path) -> None:
+    """remember_partition_keys (what `rlake train` does to its instance): a dynamic partition key found once is
+    answered from memory across steps and runs, a key not found is asked each time, a deletion is seen."""
+    instance = dg.DagsterInstance.get()
+    asked = []
+    storage_has = instance.event_log_storage.has_dynamic_partition
+    instance.event_log_storage.has_dynamic_partition = lambda *a: asked.append(a) or storage_has(*a)
+    remember_partition_keys(instance)
+    assert not instance.has_dynamic_partition("runs", "r1") and not instance.has_dynamic_partition("runs", "r1")
+    assert len(asked) == 2  # absent: asked each time
+    instance.add_dynamic_partitions("runs", ["r1"])
+    key = dg.MultiPartitionKey({"run": "r1", "part": "0"})
+    for _ in range(2):
+        assert dg.materialize([per_run], instance=instance, partition_key=key).success
+    assert len(asked) == 3  # Dagster's checks of the run x part key in both runs: one look-up in all
+    instance.delete_dynamic_partition("runs", "r1")
+    assert not instance.has_dynamic_partition("runs", "r1") and len(asked) == 4
+    instance.dispose()
