@@ -21,6 +21,7 @@ a checkpoint; this class's `watch` (the webserver loads the same dagster.yaml) t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -28,7 +29,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -339,6 +340,43 @@ def pool_postgres_connections(instance) -> bool:
     return True
 
 
+def _remember_true(obj, name: str, key: Callable[..., Hashable]) -> set:
+    """Wrap method `name` of `obj` (this object only) so that a call whose `key(*args, **kwargs)` returned True
+    once returns True again without calling it; False is never remembered. Returns the set of remembered keys."""
+    ask, found, lock = getattr(obj, name), set(), threading.Lock()
+
+    @functools.wraps(ask)
+    def remembered(*args, **kwargs):
+        k = key(*args, **kwargs)
+        with lock:
+            if k in found:
+                return True
+        if not ask(*args, **kwargs):
+            return False
+        with lock:
+            found.add(k)
+        return True
+
+    setattr(obj, name, remembered)
+    return found
+
+
+def remember_schema(instance) -> None:
+    """A Postgres event log's schema look-ups answered from memory once true, as PooledSqliteEventLogStorage does
+    for sqlite: dagster-postgres asks the catalog whether the asset tag table exists (`has_table`) and which
+    columns the asset key table has (`_has_asset_key_col_on_connection`) on every asset event it stores, the
+    former on a second connection while the event's transaction holds the first (a pool of one: a new connection,
+    ~11 ms with password auth, each time). Tables and columns Dagster's migrations add are never dropped while a
+    process runs. A storage without these methods (another Dagster version) is left as it is."""
+    storage = instance.event_log_storage
+    if not type(storage).__module__.startswith("dagster_postgres"):
+        return
+    if callable(getattr(storage, "has_table", None)):
+        _remember_true(storage, "has_table", lambda table_name: table_name)
+    if callable(getattr(storage, "_has_asset_key_col_on_connection", None)):
+        _remember_true(storage, "_has_asset_key_col_on_connection", lambda conn, column_name: column_name)
+
+
 def remember_partition_keys(instance) -> None:
     """Answer `instance.has_dynamic_partition` from memory for a key it found in this process. Dagster asks it for
     every partitioned input and output of every step (each run x iteration key range is checked key by key, one
@@ -346,25 +384,15 @@ def remember_partition_keys(instance) -> None:
     A key found stays found: rlake adds the run's and iteration's partitions and never deletes one; a deletion made
     through this instance is forgotten here. A key not found is asked again each time (another process may add
     it). One a user deletes from another process (the UI) while this one runs stays found here until it ends."""
-    ask, delete = instance.has_dynamic_partition, instance.delete_dynamic_partition
-    found: set[tuple[str, str]] = set()
-    lock = threading.Lock()
-
-    def has_dynamic_partition(partitions_def_name: str, partition_key: str) -> bool:
-        key = (partitions_def_name, partition_key)
-        with lock:
-            if key in found:
-                return True
-        if not ask(partitions_def_name, partition_key):
-            return False
-        with lock:
-            found.add(key)
-        return True
+    found = _remember_true(
+        instance,
+        "has_dynamic_partition",
+        lambda partitions_def_name, partition_key: (partitions_def_name, partition_key),
+    )
+    delete = instance.delete_dynamic_partition
 
     def delete_dynamic_partition(partitions_def_name: str, partition_key: str) -> None:
-        with lock:
-            found.discard((partitions_def_name, partition_key))
+        found.discard((partitions_def_name, partition_key))
         delete(partitions_def_name, partition_key)
 
-    instance.has_dynamic_partition = has_dynamic_partition
     instance.delete_dynamic_partition = delete_dynamic_partition

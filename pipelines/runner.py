@@ -38,6 +38,7 @@ from pipelines.dagster_storage import (  # noqa: F401 - API
     dagster_home,
     pool_postgres_connections,
     remember_partition_keys,
+    remember_schema,
 )
 from pipelines.definitions import build_definitions
 from pipelines.heap import frozen_heap
@@ -138,9 +139,11 @@ def run_training(
 
 def _instance() -> dg.DagsterInstance:
     """The DAGSTER_HOME's instance; on a team's Postgres it keeps its connections open for the run, and partition
-    keys it found are not looked up again (dagster_storage.remember_partition_keys)."""
+    keys it found (and its schema) are not looked up again (dagster_storage.remember_partition_keys and
+    remember_schema)."""
     instance = dg.DagsterInstance.get()
-    pool_postgres_connections(instance)
+    if pool_postgres_connections(instance):
+        remember_schema(instance)
     remember_partition_keys(instance)
     return instance
 

@@ -289,3 +289,40 @@ def test_rlake_train_keeps_its_postgres_connections_open(pg_home) -> None:
     assert not used_off and used_on
     assert opened_off >= 40, got
     assert opened_on <= 2, got
+
+
+COUNT_EVENT_CONNECTIONS = """
+    import json
+    import dagster as dg
+    from sqlalchemy import event
+    from pipelines.dagster_storage import pool_postgres_connections, remember_schema
+
+    KEYS = [str(i) for i in range(8)]
+
+    @dg.asset(partitions_def=dg.StaticPartitionsDefinition(KEYS))
+    def part(context) -> dg.MaterializeResult:
+        return dg.MaterializeResult(metadata={"p": context.partition_key})
+
+    def work(remember):
+        instance = dg.DagsterInstance.get()
+        pool_postgres_connections(instance)
+        if remember:
+            remember_schema(instance)
+        opened = []
+        event.listen(instance.event_log_storage._engine, "connect", lambda *_: opened.append(1))
+        for key in KEYS:
+            assert dg.materialize([part], instance=instance, partition_key=key).success
+        return len(opened)
+
+    print(json.dumps({"pooled": work(False), "remembered": work(True)}))
+"""
+
+
+def test_asset_events_reuse_the_pooled_connection(pg_home) -> None:
+    # dagster-postgres asks whether its asset tag table exists while it holds the connection of the event it
+    # stores: with a pool of one, a new connection per asset event. remember_schema (`rlake train` on Postgres)
+    # answers it from memory after the first time: 8 materializations open a few connections in all, not 8+.
+    _, env = pg_home
+    got = _python(COUNT_EVENT_CONNECTIONS, env)
+    assert got["pooled"] >= 8, got
+    assert got["remembered"] <= 3, got
