@@ -81,7 +81,7 @@ def measure_iteration(run: StageRun) -> tuple[dict[str, float], dict | None, dic
     new_dir = ms.require(it + 1, needed_by="iteration_metrics")
     update, c_v = checkpoint_metrics(store, cfg.run_id, it, "policy", it + 1)
     critic = checkpoint_metrics(store, cfg.run_id, it, "critic", it + 1)[0] if values is not None else None
-    timings = stage_timings(store, cfg.run_id, it, instance=run.context.instance)
+    timings = stage_timings(store, cfg.run_id, it, instance=run.context.instance, cfg=cfg)
     m = run.compute(scored, adv, update_metrics=update, timings=timings, values=values, critic_update_metrics=critic)
     val, val_metrics = validation(run, new_dir)
     read_versions = {"scored_rollouts": scored.version, "rollouts": rollouts.version, "advantages": adv.version}
@@ -124,15 +124,21 @@ to that iteration: stages.io.plots.run_curves_markdown); every metric goes to De
 
 
 def stage_timings(
-    rollout_store: RolloutStoreResource, run_id: str, it: int, *, instance: dg.DagsterInstance | None = None
+    rollout_store: RolloutStoreResource,
+    run_id: str,
+    it: int,
+    *,
+    instance: dg.DagsterInstance | None = None,
+    cfg: RunConfig | None = None,
 ) -> dict[str, float]:
     """The timing metric (stages/dag.py) of each timed stage that writes a table, from the duration in the lineage
     commit of its table for this iteration: with `instance`, the commit its asset's latest materialization recorded
     (assets.common.recorded_version: the commit file alone, no table opened; on S3 no LIST), else (or when none
     is recorded) the newest (read down to that commit only: store.newest_commit); the updates report theirs in
-    their own metrics."""
+    their own metrics. With `cfg`, only the stages the run has (a stage's `when`): one the run does not have is
+    not looked up (a Dagster query and, on S3, a LIST for its absent table, each iteration)."""
     out = {}
-    for stage in (s for s in ITERATION if s.table and s.timing):
+    for stage in (s for s in ITERATION if s.table and s.timing and (cfg is None or s.when(cfg))):
         uri = rollout_store.uri(stage.name)
         version = None if instance is None else recorded_version(instance, uri, stage.name, run_id, it)
         commit = commit_at(uri, version) if version is not None else newest_commit(uri, run_id, it)
