@@ -219,28 +219,35 @@ def write_partition_dataset(
     )
 
 
-def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, lineage, storage_options) -> int:
-    """ONE Delta commit of the written files (one row each), replacing partition (run_id, iteration); `lineage`
-    a mapping or a function giving it (called here, after the files are written)."""
-    lineage = lineage() if callable(lineage) else lineage
-    schema = _merged_schema(list(files["schema"]))
-    keys = [pa.field("run_id", pa.string(), nullable=False), pa.field("iteration", pa.int64(), nullable=False)]
-    full = pa.schema([*keys, *schema])  # the partition columns first, as tables.SCHEMAS and store.write_partition
+def _files_commit_properties(
+    name: str, files: pd.DataFrame, run_id: str, iteration: int, lineage: Mapping[str, Any]
+) -> CommitProperties:
+    """The commit metadata of written files: rlake's lineage, the value sets the files' rows hold (COMMIT_SETS) and
+    the Ray nodes whose tasks or ranks wrote them (where the stage's work ran)."""
     sets: dict[str, set] = {}
     for raw in files["sets"]:
         for key, values in json.loads(raw).items():
             sets.setdefault(key, set()).update(values)
+    meta = _commit_metadata(name, run_id, iteration, lineage, sets)
+    nodes = sorted({n for n in files.get("node", pd.Series(dtype=object)) if isinstance(n, str)})
+    if nodes:
+        meta[LINEAGE_PREFIX + "write_nodes"] = json.dumps(nodes)
+    return CommitProperties(custom_metadata=meta)
+
+
+def commit_files(uri: str, name: str, files: pd.DataFrame, *, run_id, iteration, lineage, storage_options) -> int:
+    """ONE Delta commit of the written files (one row each), replacing partition (run_id, iteration); `lineage`
+    a mapping or a function giving it (called here, after the files are written)."""
+    schema = _merged_schema(list(files["schema"]))
+    keys = [pa.field("run_id", pa.string(), nullable=False), pa.field("iteration", pa.int64(), nullable=False)]
+    full = pa.schema([*keys, *schema])  # the partition columns first, as tables.SCHEMAS and store.write_partition
     now = int(time.time() * 1000)
     parts = {"run_id": run_id, "iteration": str(iteration)}
     actions = [
         AddAction(path=p, size=int(s), partition_values=parts, modification_time=now, data_change=True, stats=st)
         for p, s, st in zip(files["path"], files["size"], files["stats"], strict=True)
     ]
-    nodes = sorted({n for n in files.get("node", pd.Series(dtype=object)) if isinstance(n, str)})
-    meta = _commit_metadata(name, run_id, iteration, lineage, sets)
-    if nodes:  # the Ray nodes whose tasks or ranks wrote the files: where the stage's work ran
-        meta[LINEAGE_PREFIX + "write_nodes"] = json.dumps(nodes)
-    props = CommitProperties(custom_metadata=meta)
+    props = _files_commit_properties(name, files, run_id, iteration, lineage() if callable(lineage) else lineage)
     path, opts = _open(uri, storage_options)
     _forget_absent(path, opts)  # whether to create the table is looked up, never taken from a pinned() scope
     if not table_exists(uri, storage_options=storage_options):  # an open local table: a stat, not a log listing
